@@ -1,0 +1,187 @@
+"""Chunk keys and prefix-chained chunk hashing.
+
+A `KeyScope` names one model shard's cache (tenant namespace, model, fingerprint, world size,
+worker, layout id). A `ChunkKey` is a scope plus `chunk_hash`, where
+``h_i = xxh3_128(h_{i-1} || tokens_i)`` and ``h_{-1}`` is derived from the scope's bytes and the
+chunk size. Because the chain is seeded by the scope, two tenants, fingerprints or layouts never
+produce the same chunk hash, so tiers may index by ``chunk_hash`` alone; the full key bytes travel
+in every stored frame and are compared on read.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+from tiered_kv.errors import CodecError, LayoutError
+
+KEY_FORMAT_VERSION = 1
+HASH_BYTES = 16
+_NO_LAYER = 0xFFFFFFFF
+_MAX_FIELD = 1024
+
+TokenIds = Sequence[int] | Any  # list/tuple of ints, or a 1-D int tensor / array (buffer fast path)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyScope:
+    """Everything a chunk key shares across one model shard's cache."""
+
+    namespace: str
+    model: str
+    fingerprint: str
+    world_size: int
+    worker_id: int
+    layout_id: str
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "model", "fingerprint", "layout_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"KeyScope.{name}: expected str, got {value!r}")
+            if len(value.encode()) > _MAX_FIELD:
+                raise ValueError(f"KeyScope.{name}: longer than {_MAX_FIELD} bytes")
+        if not self.model:
+            raise ValueError("KeyScope.model: must not be empty")
+        if self.world_size < 1:
+            raise ValueError(f"KeyScope.world_size: must be >= 1, got {self.world_size}")
+        if not 0 <= self.worker_id < self.world_size:
+            raise ValueError(
+                f"KeyScope.worker_id: must be in [0, world_size={self.world_size}), "
+                f"got {self.worker_id}"
+            )
+
+    def to_bytes(self) -> bytes:
+        parts = [struct.pack("<B", KEY_FORMAT_VERSION)]
+        for text in (self.namespace, self.model, self.fingerprint, self.layout_id):
+            raw = text.encode()
+            parts.append(struct.pack("<H", len(raw)))
+            parts.append(raw)
+        parts.append(struct.pack("<II", self.world_size, self.worker_id))
+        return b"".join(parts)
+
+    def chain_seed(self, chunk_size: int) -> bytes:
+        return xxhash.xxh3_128_digest(self.to_bytes() + struct.pack("<I", chunk_size))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ChunkKey:
+    """The KV of one chunk (``layer is None``) or of one layer of it, for one model shard."""
+
+    scope: KeyScope
+    chunk_hash: bytes
+    layer: int | None = None
+
+    def __hash__(self) -> int:
+        return hash((self.chunk_hash, self.layer))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ChunkKey):
+            return NotImplemented
+        return (
+            self.chunk_hash == other.chunk_hash
+            and self.layer == other.layer
+            and self.scope == other.scope
+        )
+
+    def with_layer(self, layer: int) -> ChunkKey:
+        """The key of one layer of this chunk (layerwise mode)."""
+        if layer < 0:
+            raise ValueError(f"layer must be >= 0, got {layer}")
+        return ChunkKey(self.scope, self.chunk_hash, layer)
+
+    @property
+    def hex(self) -> str:
+        """Stable name for files and remote keys: derived from hashes only."""
+        text = self.chunk_hash.hex()
+        return text if self.layer is None else f"{text}-l{self.layer}"
+
+    def to_bytes(self) -> bytes:
+        layer = _NO_LAYER if self.layer is None else self.layer
+        return self.scope.to_bytes() + self.chunk_hash + struct.pack("<I", layer)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> ChunkKey:
+        """Inverse of `to_bytes`; raises `CodecError` on anything malformed."""
+        data = bytes(data)
+        try:
+            version = data[0]
+            if version != KEY_FORMAT_VERSION:
+                raise CodecError(f"key: unsupported key format version {version}")
+            pos = 1
+            texts = []
+            for _ in range(4):
+                (length,) = struct.unpack_from("<H", data, pos)
+                pos += 2
+                if length > _MAX_FIELD or pos + length > len(data):
+                    raise CodecError("key: string field runs past the end")
+                texts.append(data[pos : pos + length].decode())
+                pos += length
+            world_size, worker_id = struct.unpack_from("<II", data, pos)
+            pos += 8
+            chunk_hash = data[pos : pos + HASH_BYTES]
+            pos += HASH_BYTES
+            (layer,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+        except (IndexError, struct.error, UnicodeDecodeError) as exc:
+            raise CodecError(f"key: truncated or malformed ({exc})") from None
+        if pos != len(data) or len(chunk_hash) != HASH_BYTES:
+            raise CodecError(f"key: expected {pos} bytes, got {len(data)}")
+        try:
+            scope = KeyScope(texts[0], texts[1], texts[2], world_size, worker_id, texts[3])
+        except (TypeError, ValueError) as exc:
+            raise CodecError(f"key: invalid scope ({exc})") from None
+        return cls(scope, chunk_hash, None if layer == _NO_LAYER else layer)
+
+
+def token_bytes(token_ids: TokenIds) -> memoryview:
+    """Token ids as little-endian uint32 bytes (ids must be in [0, 2**32))."""
+    if hasattr(token_ids, "numpy") and hasattr(token_ids, "dim"):  # torch tensor
+        if token_ids.dim() != 1:
+            raise LayoutError(f"token_ids: expected a 1-D tensor, got shape {tuple(token_ids.shape)}")
+        token_ids = token_ids.detach().cpu().numpy()
+    if hasattr(token_ids, "__array_interface__"):  # numpy array
+        import numpy as np
+
+        arr = np.asarray(token_ids)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise LayoutError(f"token_ids: expected 1-D integers, got {arr.dtype} {arr.shape}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+            raise LayoutError("token_ids: ids must be in [0, 2**32)")
+        return memoryview(np.ascontiguousarray(arr, dtype="<u4").tobytes())
+    try:
+        packed = array.array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise LayoutError(f"token_ids: expected ints in [0, 2**32) ({exc})") from None
+    if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte 'I'
+        packed = array.array("L", token_ids)
+    if sys.byteorder != "little":  # pragma: no cover
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def chunk_hashes(token_ids: TokenIds, chunk_size: int, seed: bytes) -> list[bytes]:
+    """Prefix-chained hashes of every chunk of ``token_ids``, the trailing partial chunk included."""
+    raw = token_bytes(token_ids)
+    step = chunk_size * 4
+    hasher = xxhash.xxh3_128
+    hashes = []
+    prev = seed
+    for start in range(0, len(raw), step):
+        state = hasher(prev)
+        state.update(raw[start : start + step])
+        prev = state.digest()
+        hashes.append(prev)
+    return hashes
+
+
+def chunk_keys(scope: KeyScope, token_ids: TokenIds, chunk_size: int) -> list[ChunkKey]:
+    """One key per chunk of ``token_ids`` (``ceil(len / chunk_size)`` keys)."""
+    seed = scope.chain_seed(chunk_size)
+    return [ChunkKey(scope, h) for h in chunk_hashes(token_ids, chunk_size, seed)]
