@@ -127,9 +127,7 @@ class EngineConfig:
         return self.l2_size
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> EngineConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
         """Defaults, then ``TIERED_KV_<FIELD>`` variables, then explicit ``overrides``."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}

@@ -144,7 +144,9 @@ def token_bytes(token_ids: TokenIds) -> memoryview:
     """Token ids as little-endian uint32 bytes (ids must be in [0, 2**32))."""
     if hasattr(token_ids, "numpy") and hasattr(token_ids, "dim"):  # torch tensor
         if token_ids.dim() != 1:
-            raise LayoutError(f"token_ids: expected a 1-D tensor, got shape {tuple(token_ids.shape)}")
+            raise LayoutError(
+                f"token_ids: expected a 1-D tensor, got shape {tuple(token_ids.shape)}"
+            )
         token_ids = token_ids.detach().cpu().numpy()
     if hasattr(token_ids, "__array_interface__"):  # numpy array
         import numpy as np
