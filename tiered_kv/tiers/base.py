@@ -1,0 +1,57 @@
+"""`LowerTier`: the interface of tiers below L1 (disk, remote).
+
+Contract for implementers:
+- Called only from the engine's event loop; blocking I/O goes to threads (aiofiles) or sockets.
+- Buffers belong to the caller: `put` reads the object's bytes and `get_into` writes them while the
+  caller holds a reference; neither keeps the object nor changes its reference count.
+- Failures (disk full, corrupt data, remote down) are counted in stats and returned as False;
+  they never raise into the serving path. `asyncio.CancelledError` always propagates, and a
+  cancelled `put` leaves nothing visible to readers.
+- `contains` answers from the tier's own index without I/O; it may be stale only in the direction
+  of a later miss (a file removed behind our back), never of wrong data, since `get_into` verifies
+  the key and the checksum.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+
+from tiered_kv.keys import ChunkKey
+from tiered_kv.memory import MemoryObj
+
+
+class LowerTier(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Prepare the tier (e.g. rebuild the index); called once before any other method."""
+
+    @abc.abstractmethod
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether the tier holds ``key``, from its index."""
+
+    @abc.abstractmethod
+    async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Store ``obj`` under ``key``. True when stored (or already present), False on failure."""
+
+    @abc.abstractmethod
+    async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Fill ``obj`` (allocated for the expected layout and token count) with ``key``'s bytes.
+
+        False on a miss, a layout or token-count mismatch, or a corrupt copy (which is removed).
+        On False the object's bytes are unspecified; the caller must not use them.
+        """
+
+    @abc.abstractmethod
+    async def remove(self, key: ChunkKey) -> bool:
+        """Drop ``key``; True when it was present."""
+
+    @abc.abstractmethod
+    def stats(self) -> Mapping[str, int | float]:
+        """Counters and occupancy, flat name → number."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release every resource; safe to call twice."""
