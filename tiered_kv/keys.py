@@ -140,8 +140,9 @@ class ChunkKey:
         return cls(scope, chunk_hash, None if layer == _NO_LAYER else layer)
 
 
-def token_bytes(token_ids: TokenIds) -> memoryview:
+def token_bytes(ids: TokenIds) -> memoryview:
     """Token ids as little-endian uint32 bytes (ids must be in [0, 2**32))."""
+    token_ids: Any = ids
     if hasattr(token_ids, "numpy") and hasattr(token_ids, "dim"):  # torch tensor
         if token_ids.dim() != 1:
             raise LayoutError(
@@ -169,7 +170,7 @@ def token_bytes(token_ids: TokenIds) -> memoryview:
 
 
 def chunk_hashes(token_ids: TokenIds, chunk_size: int, seed: bytes) -> list[bytes]:
-    """Prefix-chained hashes of every chunk of ``token_ids``, the trailing partial chunk included."""
+    """Prefix-chained hashes of every chunk of ``token_ids``, a trailing partial chunk included."""
     raw = token_bytes(token_ids)
     step = chunk_size * 4
     hasher = xxhash.xxh3_128

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import xxhash
@@ -202,7 +202,7 @@ def _parse_hints(hints: Mapping[str, Any] | None) -> _Hints:
         isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
     ):
         raise LayoutError(f"layout_hints['block_size'] must be a positive int, got {block_size!r}")
-    return _Hints(fmt, kv_layout, block_size)
+    return _Hints(fmt, cast("KVLayout | None", kv_layout), block_size)
 
 
 def _token_head_order(

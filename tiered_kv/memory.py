@@ -66,7 +66,7 @@ class HostArena:
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> int | None:
-        """Offset of a fresh ``nbytes`` region (aligned), or None when no free run is large enough."""
+        """Offset of a fresh ``nbytes`` region (aligned), or None when no free run is big enough."""
         if nbytes < 1:
             raise ValueError(f"HostArena.allocate: nbytes must be >= 1, got {nbytes}")
         self._check_open()

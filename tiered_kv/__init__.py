@@ -1,0 +1,25 @@
+"""tiered_kv: keep an LLM serving engine's KV cache in host memory, on disk and remote."""
+
+from tiered_kv.config import EngineConfig
+from tiered_kv.engine import SyncTieredKVEngine, TieredKVEngine
+from tiered_kv.errors import (
+    CodecError,
+    ConfigError,
+    EngineStateError,
+    KernelCompileError,
+    LayoutError,
+    TieredKVError,
+)
+
+__all__ = [
+    "CodecError",
+    "ConfigError",
+    "EngineConfig",
+    "EngineStateError",
+    "KernelCompileError",
+    "LayoutError",
+    "SyncTieredKVEngine",
+    "TieredKVEngine",
+    "TieredKVError",
+]
+__version__ = "0.1.0"

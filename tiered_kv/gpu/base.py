@@ -1,0 +1,53 @@
+"""`KVMover`: the interface of everything that copies KV between paged caches and host chunks.
+
+Contract: called from the engine's event loop. ``gather`` reads tokens
+``[token_start, token_start + obj.num_tokens)`` of a request (block ``block_ids[i]`` holds tokens
+``[i*BS, (i+1)*BS)``) from every layer group into each object; ``scatter`` writes them back,
+except the first ``skip_tokens`` tokens of each transfer, whose slots are never written. A mover
+holds its own reference to every object until its copies have finished, so a caller cancelled
+mid-transfer may drop its references at once. Order with the engine's compute: a gather reads KV
+the engine's current stream has written; after a scatter returns, work the engine queues on its
+current stream sees the new KV.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+from tiered_kv.layout import KVCacheLayout
+from tiered_kv.memory import MemoryObj
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkTransfer:
+    obj: MemoryObj
+    token_start: int
+    skip_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.token_start < 0 or not 0 <= self.skip_tokens <= self.obj.num_tokens:
+            raise ValueError(
+                f"ChunkTransfer: token_start {self.token_start} must be >= 0 and skip_tokens "
+                f"{self.skip_tokens} in [0, {self.obj.num_tokens}]"
+            )
+
+
+class KVMover(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    async def gather(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> None:
+        """Paged caches → host objects."""
+
+    @abc.abstractmethod
+    async def scatter(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> None:
+        """Host objects → paged caches, skipping each transfer's first ``skip_tokens``."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release streams, threads and buffers."""
