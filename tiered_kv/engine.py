@@ -118,6 +118,13 @@ class TieredKVEngine:
         """Wait until queued lower-tier writes finish; returns how many were still pending."""
         return await self._require_storage().flush(timeout)
 
+    async def evict_l1(self, max_bytes: int | None = None) -> int:
+        """Evict unreferenced L1 chunks, least recently used first; returns bytes freed.
+
+        Chunks still waiting for their lower-tier write are referenced by the write queue and stay.
+        """
+        return self._require_storage().l1.evict_unreferenced(max_bytes)
+
     async def aclose(self) -> None:
         """Flush pending writes (bounded by ``close_timeout_s``), then free every host byte."""
         if self._closed:
@@ -175,6 +182,11 @@ class TieredKVEngine:
             model_name, world_size, worker_id, layout, scope
         )
         return layout.layout_desc
+
+    def chunk_keys(self, token_ids: TokenIds, *, model_name: str | None = None) -> list[ChunkKey]:
+        """The keys this engine uses for ``token_ids`` (one per chunk, a partial last included)."""
+        reg = self._registration(model_name)
+        return chunk_keys(reg.scope, token_ids, self.config.chunk_size)
 
     def layout_desc(self, model_name: str | None = None) -> MemoryLayoutDesc:
         return self._registration(model_name).layout.layout_desc
@@ -477,6 +489,9 @@ class SyncTieredKVEngine:
 
     def flush(self, timeout: float | None = None) -> int:
         return self._call(self._engine.flush(timeout))
+
+    def evict_l1(self, max_bytes: int | None = None) -> int:
+        return self._call(self._engine.evict_l1(max_bytes))
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         async def stats() -> dict[str, dict[str, int | float]]:
