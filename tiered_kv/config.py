@@ -6,6 +6,7 @@ Owns parsing of human sizes ("8GiB") and the checks that give clear messages. Im
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import os
 import re
 from collections.abc import Mapping
@@ -48,7 +49,8 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
                 f"{name}: cannot parse size {value!r}; use an int or a number with one of "
                 "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
             )
-        return int(float(match.group(1)) * _SIZE_UNITS[unit])
+        # Decimal, not float: "4.1MB" is exactly 4_100_000 bytes.
+        return int(decimal.Decimal(match.group(1)) * _SIZE_UNITS[unit])
     raise ConfigError(f"{name}: expected int or str, got {type(value).__name__}")
 
 

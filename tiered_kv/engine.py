@@ -63,9 +63,18 @@ class TieredKVEngine:
     called before opening.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, mover: KVMover | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        mover: KVMover | None = None,
+        lower_tiers: Sequence[LowerTier] = (),
+    ) -> None:
+        """``mover`` replaces the default mover; ``lower_tiers`` are extra tiers below L2 (or
+        below L1 without one), searched in order: custom backends and fault-injection tests."""
         self.config = config or EngineConfig()
         self._mover_override = mover
+        self._extra_tiers = tuple(lower_tiers)
         self._registrations: dict[str, Registration] = {}
         self._counters = _Counters()
         self._arena: HostArena | None = None
@@ -91,6 +100,7 @@ class TieredKVEngine:
                 self.config.l2_path, self.config.l2_bytes, fsync=self.config.l2_fsync
             )
             lower.append(self._l2)
+        lower.extend(self._extra_tiers)
         storage = StorageManager(l1, lower, write_queue=self.config.l2_write_queue)
         try:
             await storage.open()

@@ -114,6 +114,9 @@ class StorageManager:
                     wq.written += 1
                 else:
                     wq.failed += 1
+            except asyncio.CancelledError:
+                wq.dropped_close += 1  # only aclose cancels writers
+                raise
             except Exception:  # tier boundary: a broken tier must not kill the writer
                 logger.warning("%s write of %s failed", wq.tier.name, key.hex, exc_info=True)
                 wq.failed += 1

@@ -1,0 +1,194 @@
+"""The engine's async and blocking facades, argument errors, shutdown and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kvfactory import expect_copy, make_caches, poison_blocks
+from tiered_kv import (
+    EngineConfig,
+    EngineStateError,
+    LayoutError,
+    SyncTieredKVEngine,
+    TieredKVEngine,
+)
+from tiered_kv.tiers.testing import FaultyTier, MemoryTier
+
+TOKENS = list(range(1000, 1100))  # 100 tokens: 3 full chunks of 32 and a partial of 4
+
+
+def _config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = {"chunk_size": 32, "l1_size": "8MiB"}
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    src, dst = list(range(7)), list(range(8, 15))
+    with SyncTieredKVEngine(_config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        loop_threads = [t.name for t in threading.enumerate() if t.name == "tiered-kv-loop"]
+        assert loop_threads == ["tiered-kv-loop"]
+        assert engine.store(TOKENS, src) == 100
+        assert engine.lookup(TOKENS) == 100
+        assert engine.lookup(TOKENS[:50] + [7] * 30) == 32
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        assert engine.retrieve(TOKENS, dst, skip_prefix_tokens=10) == 100
+        expect_copy(caches, expected, reference, src, dst, range(10, 100), 16)
+        assert caches.bytes_equal(expected)
+        stats = engine.stats()
+        assert stats["engine"]["stored_tokens"] == 100
+        assert stats["storage"]["hits_l1"] == 4
+    assert not [t for t in threading.enumerate() if t.name == "tiered-kv-loop"]
+    with pytest.raises(EngineStateError):
+        engine.lookup(TOKENS)
+
+
+async def test_use_before_open_and_after_close_raise() -> None:
+    engine = TieredKVEngine(_config())
+    caches = make_caches("mla", torch.bfloat16)
+    engine.register_kv_caches(caches.entries, model_name="m")
+    with pytest.raises(EngineStateError, match="not open"):
+        await engine.store(TOKENS[:10], [0])
+    await engine.open()
+    await engine.aclose()
+    with pytest.raises(EngineStateError, match="closed"):
+        await engine.lookup(TOKENS)
+    with pytest.raises(EngineStateError, match="reopen"):
+        await engine.open()
+
+
+async def test_argument_errors_name_the_problem() -> None:
+    caches = make_caches("vllm_nhd", torch.float16, num_blocks=8)
+    async with TieredKVEngine(_config()) as engine:
+        with pytest.raises(EngineStateError, match="register_kv_caches"):
+            await engine.lookup(TOKENS)
+        engine.register_kv_caches(caches.entries, model_name="m")
+        with pytest.raises(LayoutError, match="need 7 blocks"):
+            await engine.store(TOKENS, [0, 1])
+        with pytest.raises(LayoutError, match="out of range"):
+            await engine.store(TOKENS[:20], [0, 8])
+        with pytest.raises(LayoutError, match="skip_prefix_tokens"):
+            await engine.retrieve(TOKENS[:20], [0, 1], skip_prefix_tokens=21)
+        with pytest.raises(LayoutError, match="token_ids"):
+            await engine.lookup([-1, 2, 3])
+        engine.register_kv_caches(make_caches("mla", torch.int8).entries, model_name="other")
+        with pytest.raises(EngineStateError, match="model_name"):
+            await engine.lookup(TOKENS)
+        with pytest.raises(EngineStateError, match="not registered"):
+            await engine.lookup(TOKENS, model_name="nope")
+        assert await engine.lookup(TOKENS, model_name="other") == 0
+
+
+async def test_two_models_and_two_namespaces_never_share_chunks(tmp_path: Path) -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    l2 = str(tmp_path / "l2")
+    async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-a")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m2")
+        assert await engine.store(TOKENS, list(range(7)), model_name="m") == 100
+        assert await engine.lookup(TOKENS, model_name="m2") == 0
+    async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-b")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.lookup(TOKENS) == 0
+    async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-a")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.lookup(TOKENS) == 100
+
+
+async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
+    # One 32-token chunk of 2 layers x 2 x 8 x 128 bf16 is 256 KiB; L1 holds 128 KiB.
+    async with TieredKVEngine(_config(l1_size="128KiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.store(TOKENS, list(range(7))) == 0
+        stats = engine.stats()
+        assert stats["engine"]["store_skipped_no_space"] == 4
+        assert stats["arena"]["used"] == 0
+
+
+async def test_clean_close_flushes_pending_l2_writes(tmp_path: Path) -> None:
+    caches = make_caches("separate", torch.bfloat16, num_blocks=40)
+    tokens = list(range(600))
+    config = _config(l2_path=str(tmp_path / "l2"))
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.store(tokens, list(range(38))) == 600
+        # No flush: closing must wait for the 19 queued writes.
+    assert engine.dropped_on_close == 0
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert engine.stats()["l2"]["entries"] == 19
+        assert await engine.lookup(tokens) == 600
+
+
+async def test_close_timeout_drops_and_reports_pending_writes_without_leaking() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    slow = FaultyTier(MemoryTier(), delay_s=5.0)
+    engine = TieredKVEngine(_config(close_timeout_s=0.05), lower_tiers=[slow])
+    async with engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.store(TOKENS, list(range(7))) == 100
+    # Two writers were mid-put (cancelled), two chunks were still queued: all four dropped.
+    assert engine.dropped_on_close == 4
+    assert engine._arena is not None and engine._arena.used == 0
+
+
+async def test_cancelled_retrieve_releases_every_reference() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    tier = FaultyTier(MemoryTier(), delay_s=0.2)
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await engine.store(TOKENS, list(range(7)))
+        tier.delay_s = 0.0
+        await engine.flush()
+        await engine.evict_l1()
+        assert engine.stats()["arena"]["used"] == 0
+        tier.delay_s = 0.2
+        task = asyncio.create_task(engine.retrieve(TOKENS, list(range(8, 15))))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)  # let the shielded loads finish and drop their references
+        await engine.evict_l1()
+        assert engine.stats()["arena"]["used"] == 0
+
+
+async def test_cancelled_store_releases_its_staging_objects() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    async with TieredKVEngine(_config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        task = asyncio.create_task(engine.store(TOKENS, list(range(7))))
+        await asyncio.sleep(0)  # the store is now inside the mover's copy
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the worker thread finishes its copy, then releases
+            if engine.stats()["arena"]["used"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats()["arena"]["used"] == 0
+        assert await engine.lookup(TOKENS) == 0  # nothing half-written became visible
+
+
+async def test_lower_tier_failures_are_misses_not_errors() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    tier = FaultyTier(MemoryTier(), seed=3, get_failure_rate=1.0)
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await engine.store(TOKENS, list(range(7)))
+        await engine.flush()
+        await engine.evict_l1()
+        assert await engine.lookup(TOKENS) == 100  # the index says present
+        assert await engine.retrieve(TOKENS, list(range(8, 15))) == 0
+        assert engine.stats()["storage"]["misses"] >= 1
+        assert engine.stats()["arena"]["used"] == 0

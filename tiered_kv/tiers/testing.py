@@ -1,0 +1,116 @@
+"""Test tools shipped with the library: an in-memory lower tier and a fault-injecting wrapper.
+
+`MemoryTier` keeps copies of chunks in plain Python bytes (no disk), `FaultyTier` wraps any
+`LowerTier` and fails a seeded subset of keys and/or delays every call, so faults are repeatable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping
+
+from tiered_kv.keys import ChunkKey
+from tiered_kv.memory import MemoryObj
+from tiered_kv.tiers.base import LowerTier
+
+
+class MemoryTier(LowerTier):
+    def __init__(self, name: str = "L2") -> None:
+        self.name = name
+        self._data: dict[ChunkKey, tuple[str, int, bytes]] = {}
+        self.puts = 0
+        self.gets = 0
+        self.closed = False
+
+    async def open(self) -> None:
+        self.closed = False
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._data
+
+    async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self.puts += 1
+        self._data[key] = (obj.layout.layout_id, obj.num_tokens, bytes(obj.raw().numpy()))
+        return True
+
+    async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self.gets += 1
+        entry = self._data.get(key)
+        if entry is None:
+            return False
+        layout_id, num_tokens, data = entry
+        if layout_id != obj.layout.layout_id or num_tokens != obj.num_tokens:
+            return False
+        obj.arena.buffer(obj.offset, obj.nbytes)[:] = data
+        return True
+
+    async def remove(self, key: ChunkKey) -> bool:
+        return self._data.pop(key, None) is not None
+
+    def stats(self) -> Mapping[str, int | float]:
+        return {"entries": len(self._data), "puts": self.puts, "gets": self.gets}
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FaultyTier(LowerTier):
+    """Fails ``put``/``get_into`` for a seeded subset of keys and sleeps ``delay_s`` per call."""
+
+    def __init__(
+        self,
+        inner: LowerTier,
+        *,
+        seed: int = 0,
+        put_failure_rate: float = 0.0,
+        get_failure_rate: float = 0.0,
+        delay_s: float = 0.0,
+        raise_errors: bool = False,
+    ) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.seed = seed
+        self.put_failure_rate = put_failure_rate
+        self.get_failure_rate = get_failure_rate
+        self.delay_s = delay_s
+        self.raise_errors = raise_errors
+        self.injected_failures = 0
+
+    def _fails(self, key: ChunkKey, op: str, rate: float) -> bool:
+        return rate > 0 and random.Random(f"{self.seed}:{op}:{key.hex}").random() < rate
+
+    async def _inject(self, key: ChunkKey, op: str, rate: float) -> bool:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self._fails(key, op, rate):
+            self.injected_failures += 1
+            if self.raise_errors:
+                raise OSError(f"injected {op} failure for {key.hex}")
+            return True
+        return False
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.inner.contains(key)
+
+    async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        if await self._inject(key, "put", self.put_failure_rate):
+            return False
+        return await self.inner.put(key, obj)
+
+    async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        if await self._inject(key, "get", self.get_failure_rate):
+            return False
+        return await self.inner.get_into(key, obj)
+
+    async def remove(self, key: ChunkKey) -> bool:
+        return await self.inner.remove(key)
+
+    def stats(self) -> Mapping[str, int | float]:
+        return {**self.inner.stats(), "injected_failures": self.injected_failures}
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
