@@ -1,0 +1,732 @@
+"""DiskTier on real files: round trips, restart, corruption, capacity, lock, faults, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import io
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered_kv.codec import GroupSpec, decode_chunk, encode_chunk, encoded_header_len
+from tiered_kv.errors import EngineStateError, L2DirectoryInUseError
+from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
+from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
+from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.tiers import l2_disk
+from tiered_kv.tiers.l2_disk import DiskTier, chunk_specs, scan_directory
+
+CHUNK = 16
+LAYOUT = MemoryLayoutDesc(
+    (
+        GroupLayout(torch.bfloat16, num_layers=2, kv_count=2, row_elems=64),
+        GroupLayout(torch.int8, num_layers=1, kv_count=1, row_elems=132),  # 132-byte rows
+        GroupLayout(torch.float32, num_layers=3, kv_count=1, row_elems=5),
+    ),
+    CHUNK,
+)
+SCOPE = KeyScope("tenant", "test-model", "v1", 1, 0, LAYOUT.layout_id)
+POISON = 0xA5
+BIG = 1 << 24
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def make_keys(count: int, *, salt: int = 0) -> list[ChunkKey]:
+    tokens = [salt * 100_003 + i for i in range(count * CHUNK)]
+    return chunk_keys(SCOPE, tokens, CHUNK)
+
+
+def make_obj(arena: HostArena, num_tokens: int = CHUNK, seed: int = 0) -> MemoryObj:
+    obj = arena.allocate_obj(LAYOUT, num_tokens)
+    assert obj is not None
+    gen = torch.Generator().manual_seed(seed)
+    obj.raw().copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    return obj
+
+
+def poisoned_obj(arena: HostArena, num_tokens: int = CHUNK) -> MemoryObj:
+    obj = arena.allocate_obj(LAYOUT, num_tokens)
+    assert obj is not None
+    obj.raw().fill_(POISON)
+    return obj
+
+
+def same_groups(a: MemoryObj, b: MemoryObj) -> bool:
+    return all(torch.equal(a.group_bytes(g), b.group_bytes(g)) for g in range(len(LAYOUT.groups)))
+
+
+def gaps_untouched(obj: MemoryObj) -> bool:
+    """The alignment gaps between groups still hold the poison (get_into wrote groups only)."""
+    raw = obj.raw()
+    offsets = LAYOUT.group_offsets(obj.num_tokens)
+    ends = [off + g.nbytes(obj.num_tokens) for off, g in zip(offsets, LAYOUT.groups, strict=True)]
+    return all(
+        bool((raw[end:start] == POISON).all())
+        for end, start in zip(ends[:-1], offsets[1:], strict=True)
+    )
+
+
+def file_size(key: ChunkKey, num_tokens: int = CHUNK) -> int:
+    specs = tuple(
+        GroupSpec(name, g.shape(num_tokens))
+        for name, g in zip(("bfloat16", "int8", "float32"), LAYOUT.groups, strict=True)
+    )
+    return encoded_header_len(len(key.to_bytes()), specs) + LAYOUT.payload_nbytes(num_tokens)
+
+
+def path_of(root: Path, key: ChunkKey) -> Path:
+    return root / key.hex[:2] / key.hex
+
+
+def files_under(root: Path) -> list[str]:
+    """Every file below ``root`` except the lock, as sorted relative paths."""
+    return sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*")
+        if path.is_file() and path.name != l2_disk.LOCK_NAME
+    )
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture
+def arena() -> Iterator[HostArena]:
+    arena = HostArena(1 << 22, pin=False)
+    yield arena
+    assert arena.used == 0, "a test leaked MemoryObj references"
+    assert arena.close() == 0
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "l2"
+
+
+@pytest.fixture
+async def tier(root: Path) -> AsyncIterator[DiskTier]:
+    tier = DiskTier(root, BIG)
+    await tier.open()
+    yield tier
+    await tier.aclose()
+
+
+# -- round trips --------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_tokens", [CHUNK, 5, 1])
+async def test_round_trip_is_bit_exact(
+    tier: DiskTier, arena: HostArena, root: Path, num_tokens: int
+) -> None:
+    key = make_keys(1)[0]
+    source = make_obj(arena, num_tokens, seed=num_tokens)
+    target = poisoned_obj(arena, num_tokens)
+    try:
+        assert await tier.put(key, source)
+        assert tier.contains(key)
+        assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
+        assert path_of(root, key).stat().st_size == file_size(key, num_tokens)
+
+        assert await tier.get_into(key, target)
+        assert same_groups(source, target)
+        assert gaps_untouched(target)
+        stats = tier.stats()
+        assert stats["entries"] == 1
+        assert stats["bytes_used"] == file_size(key, num_tokens)
+        assert stats["puts"] == stats["hits"] == 1
+        assert stats["bytes_written"] == file_size(key, num_tokens)
+        assert stats["bytes_read"] == LAYOUT.payload_nbytes(num_tokens)
+        assert stats["misses"] == stats["put_failures"] == 0
+    finally:
+        source.unref()
+        target.unref()
+
+
+async def test_partial_last_chunk_of_a_prompt(tier: DiskTier, arena: HostArena) -> None:
+    keys = chunk_keys(SCOPE, list(range(CHUNK + 5)), CHUNK)
+    full, partial = make_obj(arena, CHUNK, 1), make_obj(arena, 5, 2)
+    targets = [poisoned_obj(arena, CHUNK), poisoned_obj(arena, 5)]
+    try:
+        assert await tier.put(keys[0], full)
+        assert await tier.put(keys[1], partial)
+        assert await tier.get_into(keys[0], targets[0])
+        assert await tier.get_into(keys[1], targets[1])
+        assert same_groups(full, targets[0])
+        assert same_groups(partial, targets[1])
+        assert [tokens for _, tokens, _ in tier.entries()] == [CHUNK, 5]
+    finally:
+        for obj in (full, partial, *targets):
+            obj.unref()
+
+
+async def test_file_is_a_codec_frame(tier: DiskTier, arena: HostArena, root: Path) -> None:
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert await tier.put(key, obj)
+        header, payloads = decode_chunk(path_of(root, key).read_bytes())
+        assert header.key_bytes == key.to_bytes()
+        assert header.num_tokens == CHUNK
+        assert header.groups == chunk_specs(obj)
+        assert header.groups[1] == GroupSpec("int8", (1, 1, CHUNK, 132))
+        assert [bytes(p) for p in payloads] == [bytes(b) for b in obj.group_buffers()]
+    finally:
+        obj.unref()
+
+
+async def test_put_of_a_present_key_does_not_rewrite(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert await tier.put(key, obj)
+        inode = path_of(root, key).stat().st_ino
+        assert await tier.put(key, obj)
+        assert path_of(root, key).stat().st_ino == inode
+        assert tier.stats()["puts"] == 1
+    finally:
+        obj.unref()
+
+
+async def test_concurrent_puts_of_one_key_write_once(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert await asyncio.gather(*(tier.put(key, obj) for _ in range(4))) == [True] * 4
+        assert tier.stats()["puts"] == 1
+        assert tier.stats()["bytes_used"] == file_size(key)
+        assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
+    finally:
+        obj.unref()
+
+
+async def test_without_fsync(root: Path, arena: HostArena) -> None:
+    tier = DiskTier(root, BIG, fsync=False)
+    await tier.open()
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        assert await tier.get_into(key, target)
+        assert same_groups(source, target)
+    finally:
+        source.unref()
+        target.unref()
+        await tier.aclose()
+
+
+# -- restart ------------------------------------------------------------------------------------
+async def test_restart_reuses_the_directory(root: Path, arena: HostArena) -> None:
+    keys = make_keys(3)
+    sources = [make_obj(arena, seed=i) for i in range(3)]
+    first = DiskTier(root, BIG)
+    await first.open()
+    try:
+        for key, obj in zip(keys, sources, strict=True):
+            assert await first.put(key, obj)
+    finally:
+        await first.aclose()
+
+    second = DiskTier(root, BIG)
+    await second.open()
+    target = poisoned_obj(arena)
+    try:
+        assert all(second.contains(key) for key in keys)
+        assert sorted(k.hex for k, _, _ in second.entries()) == sorted(k.hex for k in keys)
+        assert second.stats()["bytes_used"] == 3 * file_size(keys[0])
+        for key, obj in zip(keys, sources, strict=True):
+            target.raw().fill_(POISON)
+            assert await second.get_into(key, target)
+            assert same_groups(obj, target)
+    finally:
+        for obj in (*sources, target):
+            obj.unref()
+        await second.aclose()
+
+
+async def test_restart_orders_lru_by_mtime(root: Path, arena: HostArena) -> None:
+    keys = make_keys(3)
+    obj = make_obj(arena)
+    first = DiskTier(root, BIG)
+    await first.open()
+    try:
+        for key in keys:
+            assert await first.put(key, obj)
+    finally:
+        await first.aclose()
+    # Oldest first: keys[2], keys[0], keys[1].
+    for key, mtime in zip(keys, (2_000, 3_000, 1_000), strict=True):
+        os.utime(path_of(root, key), ns=(mtime * 10**9, mtime * 10**9))
+    size = file_size(keys[0])
+    second = DiskTier(root, 2 * size)
+    await second.open()
+    try:
+        assert [k for k, _, _ in second.entries()] == [keys[0], keys[1]]
+        assert not (path_of(root, keys[2])).exists()
+        assert second.stats()["evictions"] == 1
+    finally:
+        obj.unref()
+        await second.aclose()
+
+
+# -- corruption ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["header", "payload_start", "payload_end"])
+async def test_corrupt_file_is_a_miss_and_removed(
+    tier: DiskTier, arena: HostArena, root: Path, where: str
+) -> None:
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        path = path_of(root, key)
+        data = bytearray(path.read_bytes())
+        header_len = file_size(key) - LAYOUT.payload_nbytes(CHUNK)
+        offset = {"header": 30, "payload_start": header_len, "payload_end": len(data) - 1}[where]
+        data[offset] ^= 0x01
+        path.write_bytes(bytes(data))
+
+        assert not await tier.get_into(key, target)
+        assert not path.exists()
+        assert not tier.contains(key)
+        stats = tier.stats()
+        assert stats["corrupt_removed"] == 1
+        assert stats["misses"] == 1
+        assert stats["entries"] == stats["bytes_used"] == 0
+        # Stored again, it is served again.
+        assert await tier.put(key, source)
+        assert await tier.get_into(key, target)
+        assert same_groups(source, target)
+    finally:
+        source.unref()
+        target.unref()
+
+
+async def test_truncated_file_is_removed_at_read(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        os.truncate(path_of(root, key), file_size(key) - 100)
+        assert not await tier.get_into(key, target)
+        assert not path_of(root, key).exists()
+        assert tier.stats()["corrupt_removed"] == 1
+    finally:
+        source.unref()
+        target.unref()
+
+
+async def test_open_removes_torn_garbage_misnamed_and_temp_files(
+    root: Path, arena: HostArena
+) -> None:
+    keys = make_keys(3)
+    obj = make_obj(arena)
+    first = DiskTier(root, BIG)
+    await first.open()
+    try:
+        for key in keys:
+            assert await first.put(key, obj)
+    finally:
+        obj.unref()
+        await first.aclose()
+    good, torn, moved = keys
+    os.truncate(path_of(root, torn), 50)
+    misnamed = root / moved.hex[:2] / ("0" * len(moved.hex))
+    path_of(root, moved).rename(misnamed)
+    (root / "ab").mkdir(exist_ok=True)
+    (root / "ab" / "abcdef").write_bytes(b"not a chunk at all")
+    (root / good.hex[:2] / f".{good.hex}.123.deadbeef.tmp").write_bytes(b"half a chunk")
+    (root / "README").write_text("not ours: left alone")
+
+    tier = DiskTier(root, BIG)
+    await tier.open()
+    try:
+        assert [k for k, _, _ in tier.entries()] == [good]
+        assert files_under(root) == sorted(["README", f"{good.hex[:2]}/{good.hex}"])
+        assert tier.stats()["corrupt_removed"] == 3
+    finally:
+        await tier.aclose()
+
+
+async def test_file_replaced_with_another_layout_is_kept(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    source, small, target = make_obj(arena), make_obj(arena, 5), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        # Same key, 5 tokens: a valid frame, but not what the index (or the reader) expects.
+        parts = encode_chunk(key.to_bytes(), 5, chunk_specs(small), small.group_buffers())
+        path_of(root, key).write_bytes(b"".join(parts))
+        assert not await tier.get_into(key, target)
+        assert path_of(root, key).exists()
+        assert tier.stats()["layout_mismatch"] == 1
+        assert tier.stats()["corrupt_removed"] == 0
+    finally:
+        for obj in (source, small, target):
+            obj.unref()
+
+
+async def test_file_deleted_behind_our_back_is_a_miss(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        path_of(root, key).unlink()
+        assert tier.contains(key)  # the index is stale only towards a later miss
+        assert not await tier.get_into(key, target)
+        assert not tier.contains(key)
+        assert tier.stats()["bytes_used"] == 0
+        assert tier.stats()["misses"] == 1
+    finally:
+        source.unref()
+        target.unref()
+
+
+# -- layout -------------------------------------------------------------------------------------
+async def test_layout_mismatch_is_a_miss_and_keeps_the_file(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    source, other = make_obj(arena, CHUNK), poisoned_obj(arena, 7)
+    try:
+        assert await tier.put(key, source)
+        assert not await tier.get_into(key, other)
+        assert tier.contains(key)
+        assert path_of(root, key).exists()
+        assert tier.stats()["layout_mismatch"] == 1
+        assert bool((other.raw() == POISON).all())  # nothing was read into it
+    finally:
+        source.unref()
+        other.unref()
+
+
+async def test_miss(tier: DiskTier, arena: HostArena) -> None:
+    target = poisoned_obj(arena)
+    try:
+        assert not await tier.get_into(make_keys(1)[0], target)
+        assert tier.stats()["misses"] == 1
+    finally:
+        target.unref()
+
+
+# -- capacity -----------------------------------------------------------------------------------
+async def test_capacity_evicts_least_recently_used(root: Path, arena: HostArena) -> None:
+    keys = make_keys(4)
+    size = file_size(keys[0])
+    tier = DiskTier(root, 3 * size + size // 2)
+    await tier.open()
+    obj, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        for key in keys[:3]:
+            assert await tier.put(key, obj)
+        assert await tier.get_into(keys[0], target)  # keys[0] becomes most recent
+        assert await tier.put(keys[3], obj)
+        assert [k for k, _, _ in tier.entries()] == [keys[2], keys[0], keys[3]]
+        assert not tier.contains(keys[1])
+        assert not path_of(root, keys[1]).exists()
+        stats = tier.stats()
+        assert stats["evictions"] == 1
+        assert stats["bytes_used"] == 3 * size <= tier.capacity
+        assert len(files_under(root)) == 3
+    finally:
+        obj.unref()
+        target.unref()
+        await tier.aclose()
+
+
+async def test_chunk_larger_than_capacity_is_refused(root: Path, arena: HostArena) -> None:
+    key = make_keys(1)[0]
+    tier = DiskTier(root, file_size(key) - 1)
+    await tier.open()
+    obj = make_obj(arena)
+    try:
+        assert not await tier.put(key, obj)
+        assert tier.stats()["put_refused"] == 1
+        assert files_under(root) == []
+    finally:
+        obj.unref()
+        await tier.aclose()
+
+
+async def test_remove(tier: DiskTier, arena: HostArena, root: Path) -> None:
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert await tier.put(key, obj)
+        assert await tier.remove(key)
+        assert not tier.contains(key)
+        assert not path_of(root, key).exists()
+        assert not await tier.remove(key)
+        assert tier.stats()["bytes_used"] == 0
+    finally:
+        obj.unref()
+
+
+# -- the directory lock -------------------------------------------------------------------------
+async def test_second_tier_on_the_same_directory_is_refused(tier: DiskTier, root: Path) -> None:
+    other = DiskTier(root, BIG)
+    with pytest.raises(L2DirectoryInUseError, match=str(root)):
+        await other.open()
+    await tier.aclose()
+    await tier.aclose()  # idempotent
+    await other.open()  # the lock is free again
+    await other.aclose()
+
+
+async def test_use_outside_open_raises(root: Path, arena: HostArena) -> None:
+    tier = DiskTier(root, BIG)
+    obj = make_obj(arena)
+    try:
+        with pytest.raises(EngineStateError, match="open"):
+            await tier.put(make_keys(1)[0], obj)
+        await tier.open()
+        with pytest.raises(EngineStateError, match="open"):
+            await tier.open()
+        await tier.aclose()
+        with pytest.raises(EngineStateError):
+            await tier.get_into(make_keys(1)[0], obj)
+    finally:
+        obj.unref()
+
+
+# -- faults and cancellation --------------------------------------------------------------------
+async def test_put_failure_leaves_nothing(
+    tier: DiskTier,
+    arena: HostArena,
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    real_write = l2_disk._write_all
+    calls = 0
+
+    def failing_write(file: io.FileIO, data: bytes | memoryview) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # header and first group written, then the disk fills up
+            real_write(file, memoryview(data)[:100])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(file, data)
+
+    monkeypatch.setattr(l2_disk, "_write_all", failing_write)
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        with caplog.at_level(logging.WARNING, logger=l2_disk.__name__):
+            assert not await tier.put(key, obj)
+        assert files_under(root) == []
+        assert not tier.contains(key)
+        stats = tier.stats()
+        assert stats["put_failures"] == 1
+        assert stats["bytes_used"] == stats["bytes_reserved"] == 0
+        failure = [r for r in caplog.records if r.exc_info]
+        assert failure and failure[0].exc_info and failure[0].exc_info[0] is OSError
+
+        monkeypatch.setattr(l2_disk, "_write_all", real_write)
+        assert await tier.put(key, obj)
+    finally:
+        obj.unref()
+
+
+async def test_put_cancelled_mid_write_leaves_nothing(
+    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write = l2_disk._write_all
+    started, release = threading.Event(), threading.Event()
+    calls = 0
+
+    def slow_write(file: io.FileIO, data: bytes | memoryview) -> None:
+        nonlocal calls
+        calls += 1
+        real_write(file, data)
+        if calls == 2:
+            started.set()
+            release.wait(10)
+
+    monkeypatch.setattr(l2_disk, "_write_all", slow_write)
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        task = asyncio.create_task(tier.put(key, obj))
+        assert await asyncio.to_thread(started.wait, 10)
+        assert [name for name in files_under(root) if name.endswith(".tmp")]
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # the thread still reads obj's bytes: put must not return yet
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert calls == 2  # stopped at the next step
+        assert files_under(root) == []
+        assert not tier.contains(key)
+        assert tier.stats()["bytes_reserved"] == 0
+        assert tier.stats()["put_failures"] == 0
+
+        monkeypatch.setattr(l2_disk, "_write_all", real_write)
+        assert await tier.put(key, obj)
+    finally:
+        obj.unref()
+
+
+async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
+    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fsync_dir = l2_disk._fsync_directory
+    started, release = threading.Event(), threading.Event()
+
+    def slow_fsync_dir(directory: Path) -> None:
+        started.set()
+        release.wait(10)
+        real_fsync_dir(directory)
+
+    monkeypatch.setattr(l2_disk, "_fsync_directory", slow_fsync_dir)
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        task = asyncio.create_task(tier.put(key, source))
+        assert await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert tier.contains(key)
+        assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
+        assert await tier.get_into(key, target)
+        assert same_groups(source, target)
+    finally:
+        source.unref()
+        target.unref()
+
+
+async def test_failed_directory_fsync_unpublishes_the_file(
+    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing_fsync_dir(directory: Path) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(l2_disk, "_fsync_directory", failing_fsync_dir)
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert not await tier.put(key, obj)
+        assert files_under(root) == []
+        assert not tier.contains(key)
+        assert tier.stats()["put_failures"] == 1
+    finally:
+        obj.unref()
+
+
+async def test_get_cancelled_mid_read_waits_for_the_thread(
+    tier: DiskTier, arena: HostArena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_readinto = l2_disk._readinto_exact
+    started, release = threading.Event(), threading.Event()
+
+    def slow_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+        done = real_readinto(file, buffer)
+        started.set()
+        release.wait(10)
+        return done
+
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        monkeypatch.setattr(l2_disk, "_readinto_exact", slow_readinto)
+        task = asyncio.create_task(tier.get_into(key, target))
+        assert await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # the thread still writes into target: no return yet
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert tier.contains(key)  # a cancelled read is not corruption
+        monkeypatch.setattr(l2_disk, "_readinto_exact", real_readinto)
+        assert await tier.get_into(key, target)
+        assert same_groups(source, target)
+    finally:
+        source.unref()
+        target.unref()
+
+
+async def test_read_error_is_a_miss_and_keeps_the_file(
+    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+        raise OSError(errno.EIO, "Input/output error")
+
+    key = make_keys(1)[0]
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        monkeypatch.setattr(l2_disk, "_readinto_exact", failing_readinto)
+        assert not await tier.get_into(key, target)
+        assert tier.contains(key)
+        assert path_of(root, key).exists()
+        assert tier.stats()["read_failures"] == 1
+    finally:
+        source.unref()
+        target.unref()
+
+
+# -- inspection ---------------------------------------------------------------------------------
+async def test_scan_directory_reads_headers_without_lock_or_deletion(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    keys = chunk_keys(SCOPE, list(range(CHUNK + 3)), CHUNK)
+    objs = [make_obj(arena, CHUNK), make_obj(arena, 3)]
+    try:
+        for key, obj in zip(keys, objs, strict=True):
+            assert await tier.put(key, obj)
+    finally:
+        for obj in objs:
+            obj.unref()
+    (root / "ff").mkdir(exist_ok=True)
+    (root / "ff" / "ffff").write_bytes(b"garbage")
+    (root / "ff" / ".ffff.1.2.tmp").write_bytes(b"partial")
+
+    scanned = {item.path.name: item for item in scan_directory(root)}  # the tier holds the lock
+    assert set(scanned) == {keys[0].hex, keys[1].hex, "ffff", ".ffff.1.2.tmp"}
+    for key, tokens in zip(keys, (CHUNK, 3), strict=True):
+        item = scanned[key.hex]
+        assert item.error is None
+        assert item.key == key
+        assert item.num_tokens == tokens
+        assert item.size == file_size(key, tokens)
+        assert [g.dtype for g in item.groups] == ["bfloat16", "int8", "float32"]
+    assert scanned["ffff"].error is not None and "bad header" in scanned["ffff"].error
+    assert scanned[".ffff.1.2.tmp"].error is not None
+    assert (root / "ff" / "ffff").exists()
+    assert (root / "ff" / ".ffff.1.2.tmp").exists()
+
+
+async def test_stats_are_flat_numbers(tier: DiskTier) -> None:
+    stats = tier.stats()
+    expected = {
+        "entries",
+        "bytes_used",
+        "capacity",
+        "hits",
+        "misses",
+        "puts",
+        "put_failures",
+        "bytes_written",
+        "bytes_read",
+        "evictions",
+        "corrupt_removed",
+        "layout_mismatch",
+        "write_seconds",
+        "read_seconds",
+    }
+    assert expected <= set(stats)
+    assert all(isinstance(value, int | float) for value in stats.values())

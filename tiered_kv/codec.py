@@ -1,0 +1,418 @@
+"""The self-describing, versioned binary format of one chunk (L2 files, L3 frames).
+
+Owns encoding and decoding chunk frames, their limits and their checksums. Must not import torch
+or know about memory objects: key bytes are opaque here, and glue from layouts to `GroupSpec`s
+lives with the tiers. Decoding never trusts a length: every length is checked against
+`CodecLimits` and against the bytes at hand before anything is sized by it, so a hostile or
+truncated frame costs nothing. Every malformed input raises `CodecError`, nothing else.
+
+Frame layout, little-endian::
+
+    prefix   magic b"TKVC" | version u16 | flags u16 | header_len u32 (whole header)
+    header   key_len u32 | key bytes | num_tokens u32 | group_count u16
+             per group: dtype code u8 | ndim u8 | dims u64 x ndim | offset u64 | length u64
+             payload_checksum u64 (xxh3-64 over the payload)
+             header_checksum u64 (xxh3-64 over every header byte before it)
+    payload  the groups' bytes back to back, logical sizes only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+import xxhash
+
+from tiered_kv.errors import CodecError
+
+MAGIC = b"TKVC"
+FORMAT_VERSION = 1
+KNOWN_FLAGS = 0
+"""Flag bits this version understands (none yet); any other bit makes a frame unreadable."""
+
+_PREFIX = struct.Struct("<4sHHI")
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_GROUP_HEAD = struct.Struct("<BB")
+_CHECKSUM_LEN = _U64.size
+
+PREFIX_LEN = _PREFIX.size
+"""Bytes needed by `header_length` to learn a frame's header length."""
+
+MIN_HEADER_LEN = PREFIX_LEN + _U32.size + _U32.size + _U16.size + 2 * _CHECKSUM_LEN
+"""A header with an empty key and no groups (never valid, but no header can be shorter)."""
+
+DTYPE_CODES: Mapping[str, int] = MappingProxyType(
+    {
+        "bfloat16": 1,
+        "float16": 2,
+        "float32": 3,
+        "float8_e4m3fn": 4,
+        "float8_e5m2": 5,
+        "int8": 6,
+        "uint8": 7,
+    }
+)
+DTYPE_ITEMSIZES: Mapping[str, int] = MappingProxyType(
+    {
+        "bfloat16": 2,
+        "float16": 2,
+        "float32": 4,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "int8": 1,
+        "uint8": 1,
+    }
+)
+_DTYPES_BY_CODE = {code: name for name, code in DTYPE_CODES.items()}
+
+BytesLike = bytes | bytearray | memoryview
+"""What the codec reads from: any C-contiguous buffer of these types (never copied)."""
+
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CodecLimits:
+    """Upper bounds a decoder enforces before it sizes anything by a length read from a frame."""
+
+    max_header_bytes: int = 65536
+    max_key_bytes: int = 4096
+    max_groups: int = 64
+    max_ndim: int = 8
+    max_payload_bytes: int = 1 << 34
+
+    def __post_init__(self) -> None:
+        bounds = {
+            "max_header_bytes": (MIN_HEADER_LEN, _U32_MAX),
+            "max_key_bytes": (0, _U32_MAX),
+            "max_groups": (1, 0xFFFF),
+            "max_ndim": (1, 0xFF),
+            "max_payload_bytes": (0, _U64_MAX),
+        }
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise CodecError(
+                    f"CodecLimits.{name} must be an int in [{low}, {high}], got {value!r}"
+                )
+
+
+DEFAULT_LIMITS = CodecLimits()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One group of a chunk: a dense C-order array of ``dtype`` with ``shape``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CODES:
+            raise CodecError(
+                f"GroupSpec.dtype {self.dtype!r} is not supported; supported: "
+                f"{', '.join(DTYPE_CODES)}"
+            )
+        if not isinstance(self.shape, tuple) or not self.shape:
+            raise CodecError(f"GroupSpec.shape must be a non-empty tuple, got {self.shape!r}")
+        for dim in self.shape:
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= _U64_MAX:
+                raise CodecError(
+                    f"GroupSpec.shape dims must be ints in [1, 2**64), got {self.shape}"
+                )
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    """A decoded header: what the frame holds and how long it is."""
+
+    key_bytes: bytes
+    num_tokens: int
+    groups: tuple[GroupSpec, ...]
+    payload_checksum: int
+    header_len: int
+
+    @property
+    def payload_len(self) -> int:
+        return sum(group.nbytes for group in self.groups)
+
+    @property
+    def total_len(self) -> int:
+        """Bytes of the whole frame: header plus payload."""
+        return self.header_len + self.payload_len
+
+    @property
+    def group_offsets(self) -> tuple[int, ...]:
+        """Where each group starts, relative to the payload start."""
+        offsets = []
+        position = 0
+        for group in self.groups:
+            offsets.append(position)
+            position += group.nbytes
+        return tuple(offsets)
+
+
+def _byte_view(data: BytesLike, what: str = "data") -> memoryview:
+    """A flat unsigned-byte view of ``data`` without copying."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise CodecError(
+            f"{what}: expected a bytes-like object, got {type(data).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise CodecError(f"{what}: buffer must be C-contiguous")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+class _Reader:
+    """Bounds-checked little-endian reads from a header view (no struct.error escapes)."""
+
+    __slots__ = ("_view", "pos", "_end")
+
+    def __init__(self, view: memoryview, pos: int, end: int) -> None:
+        self._view = view
+        self.pos = pos
+        self._end = end
+
+    def _need(self, size: int, field: str) -> None:
+        if size > self._end - self.pos:
+            raise CodecError(
+                f"header: field {field} at byte {self.pos} needs {size} bytes but the header "
+                f"ends at byte {self._end}"
+            )
+
+    def unpack(self, fmt: struct.Struct, field: str) -> int:
+        self._need(fmt.size, field)
+        (value,) = fmt.unpack_from(self._view, self.pos)
+        self.pos += fmt.size
+        return int(value)
+
+    def take(self, size: int, field: str) -> memoryview:
+        self._need(size, field)
+        chunk = self._view[self.pos : self.pos + size]
+        self.pos += size
+        return chunk
+
+
+def header_length(prefix: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> int:
+    """The whole header's length, from a frame's first `PREFIX_LEN` bytes (checked, not trusted)."""
+    view = _byte_view(prefix, "prefix")
+    if len(view) < PREFIX_LEN:
+        raise CodecError(f"truncated prefix: need {PREFIX_LEN} bytes, got {len(view)}")
+    magic, version, flags, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(
+            f"unsupported format version {version}; this build reads version {FORMAT_VERSION}"
+        )
+    if flags & ~KNOWN_FLAGS:
+        raise CodecError(f"unknown flag bits {flags & ~KNOWN_FLAGS:#06x} in flags {flags:#06x}")
+    if not MIN_HEADER_LEN <= header_len <= limits.max_header_bytes:
+        raise CodecError(
+            f"header_len {header_len} outside [{MIN_HEADER_LEN}, "
+            f"max_header_bytes={limits.max_header_bytes}]"
+        )
+    return int(header_len)
+
+
+def encoded_header_len(key_len: int, groups: Sequence[GroupSpec]) -> int:
+    """Length `encode_header` will produce for a key of ``key_len`` bytes and ``groups``."""
+    per_group = sum(_GROUP_HEAD.size + _U64.size * (len(g.shape) + 2) for g in groups)
+    return MIN_HEADER_LEN + key_len + per_group
+
+
+def _check_encodable(
+    key_bytes: bytes, num_tokens: int, groups: Sequence[GroupSpec], limits: CodecLimits
+) -> None:
+    """Refuse to write what `decode_header` with the same limits would refuse to read."""
+    if len(key_bytes) > limits.max_key_bytes:
+        raise CodecError(f"key is {len(key_bytes)} bytes, max_key_bytes={limits.max_key_bytes}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise CodecError(f"num_tokens must be an int, got {num_tokens!r}")
+    if not 0 <= num_tokens <= _U32_MAX:
+        raise CodecError(f"num_tokens must be in [0, 2**32), got {num_tokens}")
+    if not 1 <= len(groups) <= limits.max_groups:
+        raise CodecError(f"group count {len(groups)} outside [1, max_groups={limits.max_groups}]")
+    for index, group in enumerate(groups):
+        if not isinstance(group, GroupSpec):
+            raise CodecError(f"group {index}: expected a GroupSpec, got {type(group).__name__}")
+        if len(group.shape) > limits.max_ndim:
+            raise CodecError(
+                f"group {index}: ndim {len(group.shape)} exceeds max_ndim={limits.max_ndim}"
+            )
+    payload_len = sum(g.nbytes for g in groups)
+    if payload_len > limits.max_payload_bytes:
+        raise CodecError(
+            f"payload of {payload_len} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
+        )
+    header_len = encoded_header_len(len(key_bytes), groups)
+    if header_len > limits.max_header_bytes:
+        raise CodecError(
+            f"header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}"
+        )
+
+
+def encode_header(
+    key_bytes: bytes,
+    num_tokens: int,
+    groups: Sequence[GroupSpec],
+    payload_checksum: int,
+    *,
+    limits: CodecLimits = DEFAULT_LIMITS,
+) -> bytes:
+    """The header of a frame holding ``groups`` (payload bytes not included)."""
+    key_bytes = bytes(key_bytes)
+    _check_encodable(key_bytes, num_tokens, groups, limits)
+    if not 0 <= payload_checksum <= _U64_MAX:
+        raise CodecError(f"payload_checksum must be in [0, 2**64), got {payload_checksum}")
+    header_len = encoded_header_len(len(key_bytes), groups)
+    parts = [
+        _PREFIX.pack(MAGIC, FORMAT_VERSION, KNOWN_FLAGS, header_len),
+        _U32.pack(len(key_bytes)),
+        key_bytes,
+        _U32.pack(num_tokens),
+        _U16.pack(len(groups)),
+    ]
+    offset = 0
+    for group in groups:
+        parts.append(_GROUP_HEAD.pack(DTYPE_CODES[group.dtype], len(group.shape)))
+        parts.append(struct.pack(f"<{len(group.shape)}Q", *group.shape))
+        parts.append(struct.pack("<QQ", offset, group.nbytes))
+        offset += group.nbytes
+    parts.append(_U64.pack(payload_checksum))
+    body = b"".join(parts)
+    return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> ChunkHeader:
+    """Parse and verify the header at the start of ``data`` (which may hold more than it)."""
+    view = _byte_view(data)
+    header_len = header_length(view[:PREFIX_LEN], limits)
+    if len(view) < header_len:
+        raise CodecError(f"truncated header: header_len is {header_len}, got {len(view)} bytes")
+    checked_end = header_len - _CHECKSUM_LEN
+    header = view[:header_len]
+    (stored,) = _U64.unpack_from(header, checked_end)
+    computed = xxhash.xxh3_64_intdigest(header[:checked_end])
+    if stored != computed:
+        raise CodecError(
+            f"header checksum mismatch: stored {stored:#018x}, computed {computed:#018x}"
+        )
+
+    reader = _Reader(header, PREFIX_LEN, checked_end)
+    key_len = reader.unpack(_U32, "key_len")
+    if key_len > limits.max_key_bytes:
+        raise CodecError(f"key_len {key_len} exceeds max_key_bytes={limits.max_key_bytes}")
+    key_bytes = bytes(reader.take(key_len, "key"))
+    num_tokens = reader.unpack(_U32, "num_tokens")
+    group_count = reader.unpack(_U16, "group_count")
+    if not 1 <= group_count <= limits.max_groups:
+        raise CodecError(f"group_count {group_count} outside [1, max_groups={limits.max_groups}]")
+    groups = []
+    expected_offset = 0
+    for index in range(group_count):
+        code = reader.unpack(_U8, f"group {index} dtype")
+        dtype = _DTYPES_BY_CODE.get(code)
+        if dtype is None:
+            raise CodecError(
+                f"group {index}: unknown dtype code {code}; known: {sorted(_DTYPES_BY_CODE)}"
+            )
+        ndim = reader.unpack(_U8, f"group {index} ndim")
+        if not 1 <= ndim <= limits.max_ndim:
+            raise CodecError(f"group {index}: ndim {ndim} outside [1, max_ndim={limits.max_ndim}]")
+        shape = tuple(reader.unpack(_U64, f"group {index} dim {axis}") for axis in range(ndim))
+        if 0 in shape:
+            raise CodecError(f"group {index}: zero dimension in shape {shape}")
+        offset = reader.unpack(_U64, f"group {index} offset")
+        length = reader.unpack(_U64, f"group {index} length")
+        if offset != expected_offset:
+            raise CodecError(
+                f"group {index}: payload offset {offset}, expected {expected_offset} (groups "
+                "must be back to back)"
+            )
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZES[dtype]
+        if length != nbytes:
+            raise CodecError(
+                f"group {index}: payload length {length} but shape {shape} of {dtype} is "
+                f"{nbytes} bytes"
+            )
+        expected_offset += length
+        if expected_offset > limits.max_payload_bytes:
+            raise CodecError(
+                f"payload of at least {expected_offset} bytes exceeds "
+                f"max_payload_bytes={limits.max_payload_bytes}"
+            )
+        groups.append(GroupSpec(dtype, shape))
+    payload_checksum = reader.unpack(_U64, "payload_checksum")
+    if reader.pos != checked_end:
+        raise CodecError(
+            f"header: {checked_end - reader.pos} unexpected bytes before the header checksum"
+        )
+    return ChunkHeader(key_bytes, num_tokens, tuple(groups), payload_checksum, header_len)
+
+
+def payload_checksum(buffers: Iterable[BytesLike]) -> int:
+    """xxh3-64 over the buffers' bytes in order, streamed (nothing is concatenated)."""
+    state = xxhash.xxh3_64()
+    for buffer in buffers:
+        state.update(_byte_view(buffer, "buffer"))
+    return int(state.intdigest())
+
+
+def encode_chunk(
+    key_bytes: bytes,
+    num_tokens: int,
+    groups: Sequence[GroupSpec],
+    buffers: Sequence[BytesLike],
+    *,
+    limits: CodecLimits = DEFAULT_LIMITS,
+) -> list[bytes | memoryview]:
+    """A whole frame as parts to write in order: the header, then each buffer (not copied)."""
+    if len(buffers) != len(groups):
+        raise CodecError(f"{len(buffers)} buffers for {len(groups)} groups")
+    views = [_byte_view(buffer, f"buffer {i}") for i, buffer in enumerate(buffers)]
+    for index, (group, view) in enumerate(zip(groups, views, strict=True)):
+        if not isinstance(group, GroupSpec):
+            raise CodecError(f"group {index}: expected a GroupSpec, got {type(group).__name__}")
+        if view.nbytes != group.nbytes:
+            raise CodecError(
+                f"buffer {index} has {view.nbytes} bytes, group {group} needs {group.nbytes}"
+            )
+    header = encode_header(key_bytes, num_tokens, groups, payload_checksum(views), limits=limits)
+    return [header, *views]
+
+
+def decode_chunk(
+    data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS
+) -> tuple[ChunkHeader, list[memoryview]]:
+    """Verify a whole frame; returns its header and zero-copy views of each group's payload."""
+    view = _byte_view(data)
+    header = decode_header(view, limits)
+    if len(view) != header.total_len:
+        problem = "truncated payload" if len(view) < header.total_len else "trailing bytes"
+        raise CodecError(f"{problem}: frame is {len(view)} bytes, header says {header.total_len}")
+    start = header.header_len
+    payloads = [
+        view[start + offset : start + offset + group.nbytes]
+        for offset, group in zip(header.group_offsets, header.groups, strict=True)
+    ]
+    computed = payload_checksum(payloads)
+    if computed != header.payload_checksum:
+        raise CodecError(
+            f"payload checksum mismatch: header says {header.payload_checksum:#018x}, "
+            f"payload hashes to {computed:#018x}"
+        )
+    return header, payloads

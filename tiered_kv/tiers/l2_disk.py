@@ -1,0 +1,747 @@
+"""`DiskTier` (L2): one checksummed codec frame per chunk, in files under a local directory.
+
+Owns the files under ``root``, their index (key → file, LRU order, bytes used) and the directory
+lock. A chunk lives at ``root/<first 2 hex>/<key hex>``; it is written to a temp name in the same
+directory, fsynced and renamed, so neither readers nor a restarted process ever see half a chunk.
+``root/.lock`` (flock) keeps a second tier out of the directory. `open` rebuilds the index from
+the files' headers; torn, corrupt or misnamed files are removed there and whenever a read finds
+them.
+
+Must not: keep `MemoryObj`s or change their reference counts, hand out bytes whose checksum was
+not verified, or touch a caller's buffers after the call that lent them has returned.
+
+Threads: every method runs on the engine's event loop; file I/O runs in the loop's default
+executor through `_run_blocking`, one hop per put / get. Not aiofiles: an aiofiles await returns
+as soon as its task is cancelled while the worker thread keeps going, so a cancelled `get_into`
+would go on writing into a `MemoryObj` its caller may already have released (and a cancelled
+unlink could delete a file written after it). `_run_blocking` tells the thread to stop and waits
+for it before cancellation propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import enum
+import fcntl
+import functools
+import io
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import xxhash
+
+from tiered_kv.codec import (
+    DEFAULT_LIMITS,
+    PREFIX_LEN,
+    ChunkHeader,
+    CodecLimits,
+    GroupSpec,
+    decode_header,
+    encode_header,
+    encoded_header_len,
+    header_length,
+    payload_checksum,
+)
+from tiered_kv.errors import CodecError, ConfigError, EngineStateError, L2DirectoryInUseError
+from tiered_kv.keys import ChunkKey
+from tiered_kv.layout import DTYPE_NAMES
+from tiered_kv.memory import MemoryObj
+from tiered_kv.tiers.base import LowerTier
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+_TEMP_SUFFIX = ".tmp"
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+_T = TypeVar("_T")
+
+
+def chunk_specs(obj: MemoryObj) -> tuple[GroupSpec, ...]:
+    """The codec's view of ``obj``: one ``[L, K, T, D]`` spec per host group."""
+    return tuple(
+        GroupSpec(DTYPE_NAMES[group.dtype], group.shape(obj.num_tokens))
+        for group in obj.layout.groups
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScannedFile:
+    """One file found under an L2 directory, as `scan_directory` read it."""
+
+    path: Path
+    size: int
+    key: ChunkKey | None
+    num_tokens: int | None
+    groups: tuple[GroupSpec, ...]
+    error: str | None
+    mtime_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Entry:
+    """What a read checks before touching the file; the file's own header is checked again."""
+
+    path: Path
+    size: int
+    num_tokens: int
+    groups: tuple[GroupSpec, ...]
+
+    @property
+    def payload_len(self) -> int:
+        return sum(group.nbytes for group in self.groups)
+
+
+# -- blocking helpers (run in executor threads) -------------------------------------------------
+
+
+class _Aborted(Exception):
+    """The awaiting task was cancelled; the thread stopped before its next step."""
+
+
+async def _run_blocking(fn: Callable[[], _T], abort: threading.Event | None = None) -> _T:
+    """Run ``fn`` in the default executor; cancellation waits until the thread is done.
+
+    On cancellation ``abort`` is set (``fn`` checks it between steps), then this waits for the
+    thread to finish before re-raising, so the caller's buffers and our files are never touched
+    after we return. Further cancellations during that wait are absorbed; one is re-raised.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, fn)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        if abort is not None:
+            abort.set()
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((future,))
+        if not future.cancelled():
+            future.exception()  # mark retrieved: the cancellation is what the caller sees
+        raise
+
+
+def _check_abort(abort: threading.Event) -> None:
+    if abort.is_set():
+        raise _Aborted
+
+
+def _write_all(file: io.FileIO, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` (raw writes may be short)."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError(f"write to {file.name!r} made no progress")
+        view = view[written:]
+
+
+def _read_exact(file: io.FileIO, size: int) -> bytes:
+    """Up to ``size`` bytes; fewer only at end of file."""
+    parts = []
+    remaining = size
+    while remaining:
+        part = file.read(remaining)
+        if not part:
+            break
+        parts.append(part)
+        remaining -= len(part)
+    return b"".join(parts)
+
+
+def _readinto_exact(file: io.FileIO, buffer: memoryview) -> bool:
+    """Fill ``buffer`` from ``file``; False when the file ends first."""
+    filled = 0
+    while filled < len(buffer):
+        count = file.readinto(buffer[filled:])
+        if not count:
+            return False
+        filled += count
+    return True
+
+
+def _read_header(file: io.FileIO, limits: CodecLimits) -> ChunkHeader:
+    """The header at the start of ``file``; `CodecError` when torn or malformed."""
+    prefix = _read_exact(file, PREFIX_LEN)
+    rest = _read_exact(file, header_length(prefix, limits) - PREFIX_LEN)
+    return decode_header(prefix + rest, limits)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        logger.warning("L2: could not remove %s", path, exc_info=True)
+
+
+def _unlink_paths(paths: Sequence[Path]) -> None:
+    for path in paths:
+        _unlink_quietly(path)
+
+
+@dataclasses.dataclass(slots=True)
+class _WriteJob:
+    directory: Path
+    temp_path: Path
+    final_path: Path
+    key_bytes: bytes
+    num_tokens: int
+    specs: tuple[GroupSpec, ...]
+    buffers: list[memoryview]
+    fsync: bool
+    limits: CodecLimits
+    abort: threading.Event = dataclasses.field(default_factory=threading.Event)
+    committed: bool = False
+
+
+def _write_chunk_file(job: _WriteJob) -> None:
+    """Temp file, write, fsync, rename, fsync the directory. Leaves no temp file behind."""
+    _check_abort(job.abort)
+    job.directory.mkdir(exist_ok=True)
+    header = encode_header(
+        job.key_bytes,
+        job.num_tokens,
+        job.specs,
+        payload_checksum(job.buffers),
+        limits=job.limits,
+    )
+    parts: list[bytes | memoryview] = [header, *job.buffers]
+    try:
+        with open(job.temp_path, "xb", buffering=0) as file:
+            for part in parts:
+                _check_abort(job.abort)
+                _write_all(file, part)
+            if job.fsync:
+                os.fsync(file.fileno())
+        _check_abort(job.abort)
+        os.replace(job.temp_path, job.final_path)
+    except BaseException:
+        _unlink_quietly(job.temp_path)
+        raise
+    job.committed = True
+    if job.fsync:
+        try:
+            _fsync_directory(job.directory)
+        except BaseException:
+            # The rename may not survive a crash; do not report a chunk as stored.
+            job.committed = False
+            _unlink_quietly(job.final_path)
+            raise
+
+
+class _ReadOutcome(enum.Enum):
+    HIT = "hit"
+    MISSING = "missing"
+    KEY_MISMATCH = "key mismatch"
+    LAYOUT_MISMATCH = "layout mismatch"
+    CORRUPT = "corrupt"
+
+
+def _read_chunk_file(
+    path: Path,
+    key_bytes: bytes,
+    num_tokens: int,
+    specs: tuple[GroupSpec, ...],
+    buffers: list[memoryview],
+    limits: CodecLimits,
+    abort: threading.Event,
+) -> tuple[_ReadOutcome, str]:
+    """Verify the header, read the payload straight into ``buffers``, verify the checksum."""
+    _check_abort(abort)
+    try:
+        file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        return _ReadOutcome.MISSING, ""
+    with file:
+        size = os.fstat(file.fileno()).st_size
+        try:
+            header = _read_header(file, limits)
+        except CodecError as exc:
+            return _ReadOutcome.CORRUPT, f"bad header: {exc}"
+        if size != header.total_len:
+            return _ReadOutcome.CORRUPT, f"file is {size} bytes, header says {header.total_len}"
+        if header.key_bytes != key_bytes:
+            return _ReadOutcome.KEY_MISMATCH, "the file holds another key"
+        if header.num_tokens != num_tokens or header.groups != specs:
+            return _ReadOutcome.LAYOUT_MISMATCH, (
+                f"file has {header.num_tokens} tokens {header.groups}, "
+                f"wanted {num_tokens} tokens {specs}"
+            )
+        state = xxhash.xxh3_64()
+        for index, buffer in enumerate(buffers):
+            _check_abort(abort)
+            if not _readinto_exact(file, buffer):
+                return _ReadOutcome.CORRUPT, f"short read in group {index}"
+            state.update(buffer)
+        computed = state.intdigest()
+        if computed != header.payload_checksum:
+            return _ReadOutcome.CORRUPT, (
+                f"payload checksum mismatch: header {header.payload_checksum:#018x}, "
+                f"data {computed:#018x}"
+            )
+        # Recency survives a restart: the index is rebuilt in mtime order.
+        with contextlib.suppress(OSError):
+            os.utime(file.fileno())
+    return _ReadOutcome.HIT, ""
+
+
+def _is_shard_name(name: str) -> bool:
+    return len(name) == 2 and set(name) <= _HEX_DIGITS
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+
+
+def _inspect_file(path: Path, limits: CodecLimits) -> tuple[ScannedFile, bool] | None:
+    """Read one file's header. Returns (result, removable) or None when the file vanished.
+
+    ``removable`` is True when the file is certainly not a valid chunk (torn, corrupt, misnamed,
+    a leftover temp file); False when it is valid or could not be read (then it is left alone).
+    """
+    try:
+        stat = path.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return ScannedFile(path, 0, None, None, (), f"unreadable: {exc}", 0), False
+
+    def result(
+        error: str | None, key: ChunkKey | None = None, header: ChunkHeader | None = None
+    ) -> ScannedFile:
+        num_tokens = None if header is None else header.num_tokens
+        groups = () if header is None else header.groups
+        return ScannedFile(path, stat.st_size, key, num_tokens, groups, error, stat.st_mtime_ns)
+
+    if _is_temp_name(path.name):
+        return result("temporary file of an unfinished write"), True
+    try:
+        with open(path, "rb", buffering=0) as file:
+            header = _read_header(file, limits)
+    except FileNotFoundError:
+        return None
+    except CodecError as exc:
+        return result(f"bad header: {exc}"), True
+    except OSError as exc:
+        return result(f"unreadable: {exc}"), False
+    try:
+        key = ChunkKey.from_bytes(header.key_bytes)
+    except CodecError as exc:
+        return result(f"bad key in header: {exc}", None, header), True
+    if stat.st_size != header.total_len:
+        error = f"file is {stat.st_size} bytes, header says {header.total_len}"
+        return result(error, key, header), True
+    if path.name != key.hex or path.parent.name != key.hex[:2]:
+        error = f"misnamed: the header's key belongs at {key.hex[:2]}/{key.hex}"
+        return result(error, key, header), True
+    return result(None, key, header), False
+
+
+def _iter_files(root: Path, limits: CodecLimits) -> Iterator[tuple[ScannedFile, bool]]:
+    """Every regular file in ``root``'s shard directories, with its removability."""
+    with os.scandir(root) as top:
+        shards = sorted(
+            entry.name
+            for entry in top
+            if _is_shard_name(entry.name) and entry.is_dir(follow_symlinks=False)
+        )
+    for shard in shards:
+        try:
+            with os.scandir(root / shard) as listing:
+                names = sorted(
+                    entry.name for entry in listing if entry.is_file(follow_symlinks=False)
+                )
+        except FileNotFoundError:
+            continue
+        for name in names:
+            found = _inspect_file(root / shard / name, limits)
+            if found is not None:
+                yield found
+
+
+def scan_directory(
+    root: str | os.PathLike[str], limits: CodecLimits = DEFAULT_LIMITS
+) -> list[ScannedFile]:
+    """Read the header of every file under an L2 directory (for ``tiered-kv inspect``).
+
+    Takes no lock and removes nothing, so it is safe next to a running tier (files may vanish
+    or appear meanwhile). Only shard directories (two hex digits) are looked at.
+    """
+    return [scanned for scanned, _ in _iter_files(Path(root), limits)]
+
+
+@dataclasses.dataclass(slots=True)
+class _Rebuilt:
+    entries: list[tuple[ChunkKey, _Entry, int]]
+    corrupt_removed: int
+    temp_removed: int
+
+
+def _rebuild_index(root: Path, limits: CodecLimits) -> _Rebuilt:
+    rebuilt = _Rebuilt([], 0, 0)
+    for scanned, removable in _iter_files(root, limits):
+        if scanned.error is None and scanned.key is not None and scanned.num_tokens is not None:
+            entry = _Entry(scanned.path, scanned.size, scanned.num_tokens, scanned.groups)
+            rebuilt.entries.append((scanned.key, entry, scanned.mtime_ns))
+            continue
+        if not removable:
+            logger.warning("L2: skipping %s: %s", scanned.path, scanned.error)
+            continue
+        if _is_temp_name(scanned.path.name):
+            rebuilt.temp_removed += 1
+        else:
+            logger.warning("L2: removing %s: %s", scanned.path, scanned.error)
+            rebuilt.corrupt_removed += 1
+        _unlink_quietly(scanned.path)
+    rebuilt.entries.sort(key=lambda item: item[2])
+    return rebuilt
+
+
+class _DirectoryLock:
+    """An exclusive, non-blocking flock on ``root/.lock``, held from acquire to release."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = "unknown"
+            with contextlib.suppress(OSError):
+                holder = os.read(fd, 64).decode(errors="replace").strip() or holder
+            os.close(fd)
+            raise L2DirectoryInUseError(
+                f"L2 directory {self.path.parent} is in use: {self.path} is locked "
+                f"(holder pid {holder}); give each process its own l2 directory"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        # Best effort: name the holder for the error message above.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor drops the flock
+
+
+_COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "put_failures",
+    "put_refused",
+    "bytes_written",
+    "bytes_read",
+    "evictions",
+    "corrupt_removed",
+    "layout_mismatch",
+    "read_failures",
+)
+
+
+class DiskTier(LowerTier):
+    """L2 on a local directory, bounded by ``capacity`` bytes of files, LRU.
+
+    ``fsync=False`` skips the file and directory fsyncs (faster, but a power loss may lose
+    recent chunks; the checksums still keep torn files from being served).
+    """
+
+    name = "L2"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity: int,
+        *,
+        fsync: bool = True,
+        limits: CodecLimits = DEFAULT_LIMITS,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(
+                f"DiskTier: capacity must be a positive number of bytes, got {capacity!r}"
+            )
+        self.root = Path(root)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.limits = limits
+        self._lock = _DirectoryLock(self.root)
+        self._state = "new"
+        self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
+        self._bytes_used = 0
+        self._reserved = 0
+        # Keys with a put or an unlink in flight; never in the index at an await point.
+        self._busy: dict[ChunkKey, asyncio.Event] = {}
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._write_seconds = 0.0
+        self._read_seconds = 0.0
+
+    # -- lifetime ---------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Lock the directory, drop stale temp files, and rebuild the index from headers."""
+        if self._state != "new":
+            raise EngineStateError(f"DiskTier.open: already {self._state}; open is called once")
+        try:
+            await _run_blocking(self._lock.acquire)
+            rebuilt = await _run_blocking(functools.partial(_rebuild_index, self.root, self.limits))
+            for key, entry, _ in rebuilt.entries:
+                self._index[key] = entry
+                self._bytes_used += entry.size
+            self._counters["corrupt_removed"] += rebuilt.corrupt_removed
+            victims = self._evict_until(lambda: self._bytes_used <= self.capacity)
+            if victims:
+                await self._unlink_entries(victims)
+        except BaseException:
+            self._lock.release()
+            self._index.clear()
+            self._bytes_used = 0
+            raise
+        self._state = "open"
+        logger.info(
+            "L2 %s: %d chunks, %d bytes; removed %d corrupt and %d temp files",
+            self.root,
+            len(self._index),
+            self._bytes_used,
+            rebuilt.corrupt_removed,
+            rebuilt.temp_removed,
+        )
+
+    async def aclose(self) -> None:
+        """Release the directory lock. Await or cancel this tier's operations first."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        self._lock.release()
+        self._index.clear()
+        self._bytes_used = 0
+
+    def _check_open(self, verb: str) -> None:
+        if self._state != "open":
+            raise EngineStateError(
+                f"DiskTier.{verb}: the tier is {self._state}; call open() first, not after aclose()"
+            )
+
+    # -- index ------------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._index
+
+    def entries(self) -> list[tuple[ChunkKey, int, int]]:
+        """(key, num_tokens, file size) of every chunk, least recently used first."""
+        return [(key, e.num_tokens, e.size) for key, e in self._index.items()]
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "entries": len(self._index),
+            "bytes_used": self._bytes_used,
+            "bytes_reserved": self._reserved,
+            "capacity": self.capacity,
+            **self._counters,
+            "write_seconds": self._write_seconds,
+            "read_seconds": self._read_seconds,
+        }
+
+    def _path_for(self, key: ChunkKey) -> Path:
+        name = key.hex
+        return self.root / name[:2] / name
+
+    def _evict_until(self, fits: Callable[[], bool]) -> list[tuple[ChunkKey, _Entry]]:
+        """Pop least recently used entries until ``fits()``; the caller unlinks them."""
+        victims = []
+        while self._index and not fits():
+            key, entry = self._index.popitem(last=False)
+            self._bytes_used -= entry.size
+            victims.append((key, entry))
+        self._counters["evictions"] += len(victims)
+        return victims
+
+    def _drop(self, key: ChunkKey, entry: _Entry) -> bool:
+        """Remove ``entry`` from the index if it is still ``key``'s entry."""
+        if self._index.get(key) is not entry:
+            return False
+        del self._index[key]
+        self._bytes_used -= entry.size
+        return True
+
+    async def _wait_idle(self, key: ChunkKey) -> None:
+        while (event := self._busy.get(key)) is not None:
+            await event.wait()
+
+    async def _unlink_entries(self, victims: Sequence[tuple[ChunkKey, _Entry]]) -> None:
+        """Delete files already dropped from the index; their keys stay busy meanwhile."""
+        events = [(key, asyncio.Event()) for key, _ in victims]
+        self._busy.update(events)
+        try:
+            await _run_blocking(functools.partial(_unlink_paths, [e.path for _, e in victims]))
+        finally:
+            for key, event in events:
+                del self._busy[key]
+                event.set()
+
+    # -- data -------------------------------------------------------------------------------
+    async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self._check_open("put")
+        await self._wait_idle(key)
+        if key in self._index:
+            self._index.move_to_end(key)
+            return True
+        specs = chunk_specs(obj)
+        key_bytes = key.to_bytes()
+        size = encoded_header_len(len(key_bytes), specs) + sum(spec.nbytes for spec in specs)
+        if size + self._reserved > self.capacity:
+            self._counters["put_refused"] += 1
+            logger.debug(
+                "L2 put of %s refused: %d bytes, capacity %d, %d reserved by writes in flight",
+                key.hex,
+                size,
+                self.capacity,
+                self._reserved,
+            )
+            return False
+        victims = self._evict_until(
+            lambda: self._bytes_used + self._reserved + size <= self.capacity
+        )
+        done = asyncio.Event()
+        self._busy[key] = done
+        self._reserved += size
+        try:
+            if victims:
+                await self._unlink_entries(victims)
+            return await self._write(key, key_bytes, obj, specs, size)
+        finally:
+            self._reserved -= size
+            del self._busy[key]
+            done.set()
+
+    async def _write(
+        self,
+        key: ChunkKey,
+        key_bytes: bytes,
+        obj: MemoryObj,
+        specs: tuple[GroupSpec, ...],
+        size: int,
+    ) -> bool:
+        final_path = self._path_for(key)
+        temp_name = f".{final_path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
+        job = _WriteJob(
+            directory=final_path.parent,
+            temp_path=final_path.parent / temp_name,
+            final_path=final_path,
+            key_bytes=key_bytes,
+            num_tokens=obj.num_tokens,
+            specs=specs,
+            buffers=obj.group_buffers(),
+            fsync=self.fsync,
+            limits=self.limits,
+        )
+        entry = _Entry(final_path, size, obj.num_tokens, specs)
+        started = time.perf_counter()
+        try:
+            await _run_blocking(functools.partial(_write_chunk_file, job), job.abort)
+        except asyncio.CancelledError:
+            # Cancelled after the rename: the chunk is complete, so keep it indexed.
+            if job.committed:
+                self._insert(key, entry)
+            raise
+        except Exception:
+            self._counters["put_failures"] += 1
+            logger.warning("L2 put of %s failed", key.hex, exc_info=True)
+            return False
+        finally:
+            self._write_seconds += time.perf_counter() - started
+        self._insert(key, entry)
+        self._counters["puts"] += 1
+        self._counters["bytes_written"] += size
+        return True
+
+    def _insert(self, key: ChunkKey, entry: _Entry) -> None:
+        self._index[key] = entry
+        self._bytes_used += entry.size
+
+    async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self._check_open("get_into")
+        entry = self._index.get(key)
+        if entry is None:
+            self._counters["misses"] += 1
+            return False
+        specs = chunk_specs(obj)
+        if entry.num_tokens != obj.num_tokens or entry.groups != specs:
+            self._counters["layout_mismatch"] += 1
+            self._counters["misses"] += 1
+            return False
+        abort = threading.Event()
+        read = functools.partial(
+            _read_chunk_file,
+            entry.path,
+            key.to_bytes(),
+            obj.num_tokens,
+            specs,
+            obj.group_buffers(),
+            self.limits,
+            abort,
+        )
+        started = time.perf_counter()
+        try:
+            outcome, detail = await _run_blocking(read, abort)
+        except Exception:
+            self._counters["read_failures"] += 1
+            self._counters["misses"] += 1
+            logger.warning("L2 read of %s failed", key.hex, exc_info=True)
+            return False
+        finally:
+            self._read_seconds += time.perf_counter() - started
+
+        if outcome is _ReadOutcome.HIT:
+            if self._index.get(key) is entry:
+                self._index.move_to_end(key)
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += entry.payload_len
+            return True
+        self._counters["misses"] += 1
+        if outcome is _ReadOutcome.MISSING:
+            self._drop(key, entry)
+        elif outcome is _ReadOutcome.LAYOUT_MISMATCH:
+            self._counters["layout_mismatch"] += 1
+        elif outcome is _ReadOutcome.CORRUPT:
+            logger.warning("L2: removing corrupt %s: %s", entry.path, detail)
+            if self._drop(key, entry):
+                self._counters["corrupt_removed"] += 1
+                await self._unlink_entries([(key, entry)])
+        else:
+            logger.warning("L2: %s: %s", entry.path, detail)
+        return False
+
+    async def remove(self, key: ChunkKey) -> bool:
+        self._check_open("remove")
+        await self._wait_idle(key)
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self._bytes_used -= entry.size
+        await self._unlink_entries([(key, entry)])
+        return True
