@@ -49,8 +49,8 @@ class KeyScope:
                 raise ValueError(f"KeyScope.{name}: longer than {_MAX_FIELD} bytes")
         if not self.model:
             raise ValueError("KeyScope.model: must not be empty")
-        if self.world_size < 1:
-            raise ValueError(f"KeyScope.world_size: must be >= 1, got {self.world_size}")
+        if not 1 <= self.world_size <= 0xFFFFFFFF:
+            raise ValueError(f"KeyScope.world_size: must be in [1, 2**32), got {self.world_size}")
         if not 0 <= self.worker_id < self.world_size:
             raise ValueError(
                 f"KeyScope.worker_id: must be in [0, world_size={self.world_size}), "
@@ -90,10 +90,14 @@ class ChunkKey:
             and self.scope == other.scope
         )
 
+    def __post_init__(self) -> None:
+        if len(self.chunk_hash) != HASH_BYTES:
+            raise ValueError(f"chunk_hash must be {HASH_BYTES} bytes, got {len(self.chunk_hash)}")
+        if self.layer is not None and not 0 <= self.layer < _NO_LAYER:
+            raise ValueError(f"layer must be in [0, {_NO_LAYER}), got {self.layer}")
+
     def with_layer(self, layer: int) -> ChunkKey:
         """The key of one layer of this chunk (layerwise mode)."""
-        if layer < 0:
-            raise ValueError(f"layer must be >= 0, got {layer}")
         return ChunkKey(self.scope, self.chunk_hash, layer)
 
     @property

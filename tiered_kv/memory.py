@@ -54,9 +54,14 @@ class HostArena:
         self.align = align
         self.capacity = capacity - capacity % align
         self.pinned = bool(pin)
-        self._tensor: torch.Tensor | None = torch.empty(
-            self.capacity, dtype=torch.uint8, pin_memory=self.pinned
-        )
+        # torch aligns unpinned CPU memory to 64 bytes only: over-allocate and skip to `align`.
+        # (Pinned memory is page-aligned; its allocator may round sizes up, so no slack there.)
+        extra = 0 if self.pinned else align
+        raw = torch.empty(self.capacity + extra, dtype=torch.uint8, pin_memory=self.pinned)
+        skip = (-raw.data_ptr()) % align
+        if skip > extra:
+            raise TieredKVError(f"HostArena: buffer is not {align}-byte aligned")
+        self._tensor: torch.Tensor | None = raw[skip : skip + self.capacity]
         self.base_ptr = self._tensor.data_ptr()
         self._free_starts: list[int] = [0]
         self._free_sizes: dict[int, int] = {0: self.capacity}
@@ -117,7 +122,8 @@ class HostArena:
         return tensor[offset : offset + nbytes]
 
     def buffer(self, offset: int, nbytes: int) -> memoryview:
-        """A writable memoryview over arena bytes; valid while the arena is open."""
+        """A writable memoryview over arena bytes. It does not keep the arena alive: use it only
+        while the arena is open and the allocation it points into is referenced."""
         self._check_open()
         array_type = ctypes.c_uint8 * nbytes
         return memoryview(array_type.from_address(self.base_ptr + offset)).cast("B")
