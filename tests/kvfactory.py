@@ -27,11 +27,13 @@ POISON = 0xA5
 Entry = Any  # a tensor, or a (K, V) tuple, or (view, physical) for permuted layouts
 
 
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def random_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: str = "cpu"
+) -> torch.Tensor:
     """Random bit patterns of ``dtype`` (NaNs included: tests compare bytes)."""
     *lead, last = shape
     raw = torch.randint(0, 256, (*lead, last * dtype.itemsize), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype)
+    return raw.to(device).view(dtype)
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ def make_caches(
     head_size: int = 8,
     mla_width: int = 24,
     seed: int = 0,
+    device: str = "cpu",
 ) -> KVCaches:
     gen = torch.Generator().manual_seed(seed)
     nb, bs, nh, hs = num_blocks, block_size, num_heads, head_size
@@ -79,36 +82,36 @@ def make_caches(
     physical: list[Any] = []
     for _ in range(num_layers):
         if fmt == "vllm_nhd":
-            t = random_tensor((2, nb, bs, nh, hs), dtype, gen)
+            t = random_tensor((2, nb, bs, nh, hs), dtype, gen, device)
             entries.append(t)
             physical.append(t)
         elif fmt == "vllm_hnd_view":
-            p = random_tensor((2, nb, nh, bs, hs), dtype, gen)
+            p = random_tensor((2, nb, nh, bs, hs), dtype, gen, device)
             entries.append(p.permute(0, 1, 3, 2, 4))
             physical.append(p)
         elif fmt == "vllm_hnd_hint":
-            p = random_tensor((2, nb, nh, bs, hs), dtype, gen)
+            p = random_tensor((2, nb, nh, bs, hs), dtype, gen, device)
             entries.append(p)
             physical.append(p)
         elif fmt == "flashinfer_nhd":
-            t = random_tensor((nb, 2, bs, nh, hs), dtype, gen)
+            t = random_tensor((nb, 2, bs, nh, hs), dtype, gen, device)
             entries.append(t)
             physical.append(t)
         elif fmt == "flashinfer_hnd":
-            t = random_tensor((nb, 2, nh, bs, hs), dtype, gen)
+            t = random_tensor((nb, 2, nh, bs, hs), dtype, gen, device)
             entries.append(t)
             physical.append(t)
         elif fmt == "mla":
-            t = random_tensor((nb, bs, mla_width), dtype, gen)
+            t = random_tensor((nb, bs, mla_width), dtype, gen, device)
             entries.append(t)
             physical.append(t)
         elif fmt == "separate":
-            k = random_tensor((nb, bs, nh, hs), dtype, gen)
-            v = random_tensor((nb, bs, nh, hs), dtype, gen)
+            k = random_tensor((nb, bs, nh, hs), dtype, gen, device)
+            v = random_tensor((nb, bs, nh, hs), dtype, gen, device)
             entries.append((k, v))
             physical.append((k, v))
         elif fmt == "fused":
-            t = random_tensor((nb, nh, bs, 2 * hs), dtype, gen)
+            t = random_tensor((nb, nh, bs, 2 * hs), dtype, gen, device)
             entries.append(t)
             physical.append(t)
         else:

@@ -1,7 +1,8 @@
 """`LowerTier`: the interface of tiers below L1 (disk, remote).
 
 Contract for implementers:
-- Called only from the engine's event loop; blocking I/O goes to threads (aiofiles) or sockets.
+- Called only from the engine's event loop; blocking I/O runs in threads (or on sockets), and a
+  cancelled call waits for its thread to stop touching the caller's buffers before it returns.
 - Buffers belong to the caller: `put` reads the object's bytes and `get_into` writes them while the
   caller holds a reference; neither keeps the object nor changes its reference count.
 - Failures (disk full, corrupt data, remote down) are counted in stats and returned as False;
