@@ -235,17 +235,17 @@ class TieredKVEngine:
     def _check_blocks(
         self, reg: Registration, block_ids: Sequence[int], num_tokens: int
     ) -> list[int]:
-        ids = [int(b) for b in block_ids]
         needed = -(-num_tokens // reg.layout.block_size)
-        if len(ids) < needed:
+        if len(block_ids) < needed:
             raise LayoutError(
                 f"block_ids: {num_tokens} tokens need {needed} blocks of "
-                f"{reg.layout.block_size}, got {len(ids)}"
+                f"{reg.layout.block_size}, got {len(block_ids)}"
             )
-        bad = [b for b in ids[:needed] if not 0 <= b < reg.layout.num_blocks]
-        if bad:
+        ids = [int(b) for b in block_ids[:needed]]
+        if ids and not 0 <= min(ids) <= max(ids) < reg.layout.num_blocks:
+            bad = [b for b in ids if not 0 <= b < reg.layout.num_blocks]
             raise LayoutError(f"block_ids: {bad[:8]} out of range [0, {reg.layout.num_blocks})")
-        return ids[:needed]
+        return ids
 
     async def store(
         self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
@@ -336,12 +336,20 @@ class TieredKVEngine:
 
         async def load(index: int, key: ChunkKey) -> MemoryObj | None:
             async with limiter:
-                return await storage.get(key, desc, self._chunk_tokens(index, num_tokens))
+                return await storage.get_lower(key, desc, self._chunk_tokens(index, num_tokens))
 
-        tasks = [asyncio.ensure_future(load(first + i, key)) for i, key in enumerate(wanted)]
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Future[MemoryObj | None]] = []
+        for i, key in enumerate(wanted):
+            cached = storage.get_l1(key)
+            if cached is None:
+                tasks.append(asyncio.ensure_future(load(first + i, key)))
+            else:  # the common case: no task, no await
+                tasks.append(loop.create_future())
+                tasks[-1].set_result(cached)
         transfers: list[ChunkTransfer] = []
         try:
-            if tasks:
+            if any(not task.done() for task in tasks):
                 await asyncio.wait(tasks)
             for i, task in enumerate(tasks):
                 obj = task.result()

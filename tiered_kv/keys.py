@@ -77,24 +77,29 @@ class ChunkKey:
     scope: KeyScope
     chunk_hash: bytes
     layer: int | None = None
-
-    def __hash__(self) -> int:
-        return hash((self.chunk_hash, self.layer))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ChunkKey):
-            return NotImplemented
-        return (
-            self.chunk_hash == other.chunk_hash
-            and self.layer == other.layer
-            and self.scope == other.scope
-        )
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.chunk_hash) != HASH_BYTES:
             raise ValueError(f"chunk_hash must be {HASH_BYTES} bytes, got {len(self.chunk_hash)}")
         if self.layer is not None and not 0 <= self.layer < _NO_LAYER:
             raise ValueError(f"layer must be in [0, {_NO_LAYER}), got {self.layer}")
+        # Keys are hashed on every tier lookup: compute once.
+        object.__setattr__(self, "_hash", hash((self.chunk_hash, self.layer)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, ChunkKey):
+            return NotImplemented
+        return (
+            self.chunk_hash == other.chunk_hash
+            and self.layer == other.layer
+            and (self.scope is other.scope or self.scope == other.scope)
+        )
 
     def with_layer(self, layer: int) -> ChunkKey:
         """The key of one layer of this chunk (layerwise mode)."""

@@ -87,6 +87,9 @@ class MemoryLayoutDesc:
 
     groups: tuple[GroupLayout, ...]
     chunk_size: int
+    _offsets: dict[int, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -101,6 +104,9 @@ class MemoryLayoutDesc:
             )
 
     def group_offsets(self, num_tokens: int) -> tuple[int, ...]:
+        cached = self._offsets.get(num_tokens)
+        if cached is not None:
+            return cached
         self._check_tokens(num_tokens)
         offsets = []
         pos = 0
@@ -108,7 +114,8 @@ class MemoryLayoutDesc:
             pos = _align(pos)
             offsets.append(pos)
             pos += group.nbytes(num_tokens)
-        return tuple(offsets)
+        self._offsets[num_tokens] = result = tuple(offsets)
+        return result
 
     def nbytes(self, num_tokens: int) -> int:
         """Logical size of a chunk of ``num_tokens`` tokens (end of the last group)."""

@@ -126,14 +126,26 @@ class StorageManager:
                 wq.queue.task_done()
 
     # -- read -------------------------------------------------------------------------------
+    def get_l1(self, key: ChunkKey) -> MemoryObj | None:
+        """The chunk if L1 holds it (caller's reference), without awaiting."""
+        obj = self.l1.get(key)
+        if obj is not None:
+            self.hits[self.l1.name] += 1
+        return obj
+
     async def get(
         self, key: ChunkKey, layout: MemoryLayoutDesc, num_tokens: int
     ) -> MemoryObj | None:
         """The chunk in host memory (caller's reference), promoting a lower-tier hit into L1."""
-        obj = self.l1.get(key)
+        obj = self.get_l1(key)
         if obj is not None:
-            self.hits[self.l1.name] += 1
             return obj
+        return await self.get_lower(key, layout, num_tokens)
+
+    async def get_lower(
+        self, key: ChunkKey, layout: MemoryLayoutDesc, num_tokens: int
+    ) -> MemoryObj | None:
+        """Read ``key`` from the first lower tier that has it into a new L1 object (promotion)."""
         for tier in self.lower:
             if not tier.contains(key):
                 continue
