@@ -40,3 +40,30 @@ async def test_cuda_caches_round_trip_through_pinned_l1_and_l2(
             torch.cuda.synchronize()
             expect_copy(caches, expected, reference, src, dst, range(skip, num_tokens), block)
             assert caches.bytes_equal(expected)
+
+
+def test_pinned_arena_over_2gib_is_registered_not_rounded_up() -> None:
+    from tiered_kv.memory import HostArena
+
+    capacity = 3 * 2**30 + 5 * 4096  # not a power of two
+    arena = HostArena(capacity, pin=True)
+    try:
+        assert arena.pinned and arena.capacity == capacity
+        assert arena.base_ptr % 4096 == 0
+        offset = 2**31 + 4096  # past the 2 GiB mark
+        view = arena.view(offset, 1 << 20)
+        # torch's is_pinned() only knows its own allocator; ask CUDA about the registration.
+        from cuda.bindings import runtime
+
+        err, attrs = runtime.cudaPointerGetAttributes(view.data_ptr())
+        assert err == runtime.cudaError_t.cudaSuccess
+        assert attrs.type == runtime.cudaMemoryType.cudaMemoryTypeHost
+        pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+        view.copy_(pattern, non_blocking=True)
+        torch.cuda.synchronize()
+        back = torch.empty_like(pattern)
+        back.copy_(view, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, pattern)
+    finally:
+        assert arena.close() == 0

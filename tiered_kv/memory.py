@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -19,6 +20,17 @@ from tiered_kv.errors import TieredKVError
 from tiered_kv.layout import MemoryLayoutDesc
 
 ALIGN = 256
+_PAGE = 4096
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _cuda_check(status: object, what: str) -> None:
+    code = int(getattr(status, "value", status))  # type: ignore[call-overload]
+    if code != 0:
+        raise TieredKVError(f"HostArena: {what} failed with CUDA error {code} ({status})")
 
 
 def _round_up(value: int, align: int) -> int:
@@ -54,15 +66,23 @@ class HostArena:
         self.align = align
         self.capacity = capacity - capacity % align
         self.pinned = bool(pin)
-        # torch aligns unpinned CPU memory to 64 bytes only: over-allocate and skip to `align`.
-        # (Pinned memory is page-aligned; its allocator may round sizes up, so no slack there.)
-        extra = 0 if self.pinned else align
-        raw = torch.empty(self.capacity + extra, dtype=torch.uint8, pin_memory=self.pinned)
-        skip = (-raw.data_ptr()) % align
-        if skip > extra:
-            raise TieredKVError(f"HostArena: buffer is not {align}-byte aligned")
+        # torch aligns CPU memory to 64 bytes only: over-allocate and start on a page boundary.
+        # Pinning registers this plain allocation (cudaHostRegister) rather than using
+        # pin_memory=True, whose caching allocator rounds sizes up to a power of two: a 40 GiB
+        # arena would pin 64 GiB.
+        base_align = max(align, _PAGE)
+        registered = _round_up(self.capacity, _PAGE)
+        raw = torch.empty(registered + base_align, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % base_align
         self._tensor: torch.Tensor | None = raw[skip : skip + self.capacity]
         self.base_ptr = self._tensor.data_ptr()
+        self._registered = 0
+        if self.pinned:
+            _cuda_check(
+                _cudart().cudaHostRegister(self.base_ptr, registered, 0),
+                f"cudaHostRegister of {registered} bytes",
+            )
+            self._registered = registered
         self._free_starts: list[int] = [0]
         self._free_sizes: dict[int, int] = {0: self.capacity}
         self._allocated: dict[int, int] = {}
@@ -152,6 +172,9 @@ class HostArena:
     def close(self) -> int:
         """Release the buffer. Returns the bytes still allocated (a leak if not 0)."""
         leaked = self._used
+        if self._registered and self._tensor is not None:
+            self._registered = 0
+            _cuda_check(_cudart().cudaHostUnregister(self.base_ptr), "cudaHostUnregister")
         self._tensor = None
         return leaked
 
