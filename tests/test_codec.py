@@ -23,11 +23,13 @@ from tiered_kv.codec import (
     DTYPE_ITEMSIZES,
     MAGIC,
     MIN_HEADER_LEN,
+    PAYLOAD_ALIGN,
     PREFIX_LEN,
     BytesLike,
     ChunkHeader,
     CodecLimits,
     GroupSpec,
+    check_encodable,
     decode_chunk,
     decode_header,
     encode_chunk,
@@ -75,8 +77,14 @@ def raw_header(
     group_count: int | None = None,
     header_len: int | None = None,
     extra: bytes = b"",
+    pad_len: int | None = None,
+    padding: bytes | None = None,
 ) -> bytes:
-    """A header with arbitrary (possibly lying) fields and a correct header checksum."""
+    """A header with arbitrary (possibly lying) fields and a correct header checksum.
+
+    Unless given, ``padding`` is the zeros that align the header's end to PAYLOAD_ALIGN, and
+    ``pad_len`` and ``header_len`` tell the truth about what was written.
+    """
     body = [
         struct.pack("<I", len(key) if key_len is None else key_len),
         key,
@@ -85,6 +93,11 @@ def raw_header(
     for code, dims, offset, length in groups:
         body.append(struct.pack(f"<BB{len(dims)}QQQ", code, len(dims), *dims, offset, length))
     body.append(extra)
+    if padding is None:
+        unpadded = PREFIX_LEN + len(b"".join(body)) + 4 + 8 + 8
+        padding = bytes(-unpadded % PAYLOAD_ALIGN)
+    body.append(struct.pack("<I", len(padding) if pad_len is None else pad_len))
+    body.append(padding)
     body.append(struct.pack("<Q", payload_sum))
     content = b"".join(body)
     length = PREFIX_LEN + len(content) + 8 if header_len is None else header_len
@@ -135,6 +148,7 @@ def test_round_trip(key: bytes, num_tokens: int, groups: list[GroupSpec], seed: 
     parts = encode_chunk(key, num_tokens, groups, buffers)
     data = b"".join(parts)
     assert len(parts[0]) == encoded_header_len(len(key), groups)
+    assert len(parts[0]) % PAYLOAD_ALIGN == 0  # the payload starts page-aligned
 
     header, payloads = decode_chunk(data)
     assert header.key_bytes == key
@@ -155,6 +169,31 @@ def test_group_offsets_are_back_to_back() -> None:
     header = decode_header(frame_bytes(b"", 1, groups, random_buffers(groups, 0)))
     assert header.group_offsets == (0, 24, 29)
     assert header.payload_len == 37
+
+
+@pytest.mark.parametrize(
+    ("key_len", "header_len"),
+    [
+        (0, PAYLOAD_ALIGN),
+        (4028, PAYLOAD_ALIGN),
+        (4029, 2 * PAYLOAD_ALIGN),
+        (4096, 2 * PAYLOAD_ALIGN),
+    ],
+)
+def test_payload_offset_is_aligned_at_the_padding_boundaries(key_len: int, header_len: int) -> None:
+    # 42 fixed header bytes and 26 for one 1-D group: a 4028-byte key needs no padding at all.
+    groups = [GroupSpec("int8", (5,))]
+    parts = encode_chunk(b"x" * key_len, 1, groups, [b"12345"])
+    assert len(parts[0]) == header_len == encoded_header_len(key_len, groups)
+    assert check_encodable(b"x" * key_len, 1, groups) == header_len
+    pad_len = header_len - 42 - 26 - key_len
+    assert 0 <= pad_len < PAYLOAD_ALIGN
+    assert struct.unpack_from("<I", parts[0], header_len - 20 - pad_len)[0] == pad_len
+    assert parts[0][header_len - 16 - pad_len : header_len - 16] == bytes(pad_len)
+    header, payloads = decode_chunk(b"".join(parts))
+    assert header.header_len == header_len
+    assert header.header_len % PAYLOAD_ALIGN == 0
+    assert bytes(payloads[0]) == b"12345"
 
 
 def test_encode_and_decode_are_zero_copy() -> None:
@@ -262,7 +301,8 @@ def test_encoder_refuses_what_the_decoder_would_refuse() -> None:
     with pytest.raises(CodecError, match="max_payload_bytes"):
         encode_header(b"", 1, [GroupSpec("uint8", (101,))], 0, limits=small)
     with pytest.raises(CodecError, match="max_header_bytes"):
-        encode_header(b"k" * 80, 1, one, 0, limits=CodecLimits(max_header_bytes=100))
+        # 4029 key bytes make the header 4097 bytes before padding, 8192 after
+        encode_header(b"k" * 4029, 1, one, 0, limits=CodecLimits(max_header_bytes=MIN_HEADER_LEN))
     with pytest.raises(CodecError, match="num_tokens"):
         encode_header(b"", 2**32, one, 0)
     with pytest.raises(CodecError, match="payload_checksum"):
@@ -316,7 +356,7 @@ def test_dims_overflowing_u64_product_are_refused() -> None:
         ({"flags": 0x8000}, "unknown flag bits"),
         ({"header_len": MIN_HEADER_LEN - 1}, "header_len"),
         ({"key_len": 2**32 - 1}, "max_key_bytes"),
-        ({"key_len": 4000}, "needs 4000 bytes"),
+        ({"key_len": 4090}, "needs 4090 bytes"),
         ({"group_count": 0, "groups": ()}, "group_count 0"),
         ({"group_count": 65}, "group_count 65"),
         ({"group_count": 2}, "group 1"),
@@ -328,7 +368,14 @@ def test_dims_overflowing_u64_product_are_refused() -> None:
         ({"groups": [(7, (4,), 1, 4)]}, "payload offset 1, expected 0"),
         ({"groups": [(7, (4,), 0, 4), (7, (4,), 5, 4)]}, "payload offset 5, expected 4"),
         ({"groups": [(1, (4,), 0, 4)]}, "payload length 4 but shape"),
-        ({"extra": b"\0" * 3}, "3 unexpected bytes"),
+        ({"extra": b"\0" * 3}, "pad_len .* disagrees with header_len"),
+        ({"header_len": PAYLOAD_ALIGN + 1}, "not a multiple of PAYLOAD_ALIGN"),
+        ({"pad_len": 0}, "pad_len 0 disagrees"),
+        ({"pad_len": 4026}, "pad_len 4026 disagrees .* leaves 4027 bytes"),
+        ({"pad_len": 2**32 - 1}, "disagrees with header_len"),
+        ({"padding": bytes(4027 + PAYLOAD_ALIGN)}, "at most 4095 are ever needed"),
+        ({"padding": b"\1" + bytes(4026)}, "padding byte 0 of 4027 is 0x01, must be zero"),
+        ({"padding": bytes(4026) + b"\x80"}, "padding byte 4026 of 4027 is 0x80"),
     ],
 )
 def test_malformed_headers(fields: dict[str, object], message: str) -> None:
@@ -338,17 +385,26 @@ def test_malformed_headers(fields: dict[str, object], message: str) -> None:
 
 
 def test_header_len_past_the_data_is_truncation() -> None:
-    data = raw_header(header_len=1000)
+    data = raw_header(header_len=2 * PAYLOAD_ALIGN)
+    assert len(data) == PAYLOAD_ALIGN
     with pytest.raises(CodecError, match="truncated header"):
         decode_header(data)
 
 
 def test_header_len_inconsistent_with_content_fails_checksum_or_parse() -> None:
     data = raw_header()
-    lying = bytearray(data)
-    struct.pack_into("<I", lying, 8, len(data) - 1)
+    lying = bytearray(data + bytes(PAYLOAD_ALIGN))
+    struct.pack_into("<I", lying, 8, len(data) + PAYLOAD_ALIGN)
     with pytest.raises(CodecError, match="header checksum"):
         decode_header(bytes(lying))
+
+
+def test_raw_header_helper_builds_what_the_encoder_builds() -> None:
+    """So the hostile-header tests above start from a faithful frame."""
+    groups = [GroupSpec("uint8", (4,))]
+    assert raw_header(payload_sum=payload_checksum([b"abcd"])) == encode_header(
+        b"k", 1, groups, payload_checksum([b"abcd"])
+    )
 
 
 @pytest.mark.parametrize("cut", [0, 1, PREFIX_LEN - 1, PREFIX_LEN, 40, -1])
@@ -478,8 +534,11 @@ def test_limits_are_enforced_on_decode() -> None:
         (CodecLimits(max_groups=2), "max_groups"),
         (CodecLimits(max_ndim=2), "max_ndim"),
         (CodecLimits(max_payload_bytes=80), "max_payload_bytes"),
-        (CodecLimits(max_header_bytes=MIN_HEADER_LEN + 8), "max_header_bytes"),
     ]:
         with pytest.raises(CodecError, match=message):
             decode_chunk(frame, limits)
+    long_key = frame_bytes(b"k" * 4029, 1, groups, random_buffers(groups, 1))
+    assert decode_header(long_key).header_len == 2 * PAYLOAD_ALIGN
+    with pytest.raises(CodecError, match="max_header_bytes"):
+        decode_chunk(long_key, CodecLimits(max_header_bytes=2 * PAYLOAD_ALIGN - 1))
     assert CodecLimits() == DEFAULT_LIMITS

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiered_kv.codec import GroupSpec, decode_chunk, encode_chunk, encoded_header_len
+from tiered_kv.codec import (
+    PAYLOAD_ALIGN,
+    CodecLimits,
+    GroupSpec,
+    decode_chunk,
+    decode_header,
+    encode_chunk,
+    encoded_header_len,
+)
 from tiered_kv.errors import EngineStateError, L2DirectoryInUseError
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
@@ -174,6 +182,80 @@ async def test_file_is_a_codec_frame(tier: DiskTier, arena: HostArena, root: Pat
         assert [bytes(p) for p in payloads] == [bytes(b) for b in obj.group_buffers()]
     finally:
         obj.unref()
+
+
+async def test_payload_is_page_aligned_in_the_file(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert await tier.put(key, obj)
+        data = path_of(root, key).read_bytes()
+        header = decode_header(data)
+        assert header.header_len % PAYLOAD_ALIGN == 0
+        first = bytes(obj.group_buffers()[0])
+        assert data[header.header_len : header.header_len + len(first)] == first
+    finally:
+        obj.unref()
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 100, 2048, 4096])
+async def test_sliced_writes_and_reads_are_bit_exact(
+    tier: DiskTier,
+    arena: HostArena,
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    slice_bytes: int,
+) -> None:
+    """Slices that split groups anywhere still write and verify the whole payload's checksum."""
+    monkeypatch.setattr(l2_disk, "_WRITE_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", slice_bytes)
+    real_write = l2_disk._write_all_at
+    offsets: list[tuple[int, int]] = []
+
+    def recording_write(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
+        offsets.append((offset, len(data)))
+        real_write(file, data, offset)
+
+    monkeypatch.setattr(l2_disk, "_write_all_at", recording_write)
+    key = make_keys(1)[0]
+    source, target = make_obj(arena, 5, seed=3), poisoned_obj(arena, 5)
+    try:
+        assert await tier.put(key, source)
+        header_len = file_size(key, 5) - LAYOUT.payload_nbytes(5)
+        # The payload in order from the header's end, then the header at offset 0.
+        assert offsets[-1] == (0, header_len)
+        position = header_len
+        for offset, size in offsets[:-1]:
+            assert offset == position and 0 < size <= slice_bytes
+            position += size
+        assert position == file_size(key, 5)
+        _, payloads = decode_chunk(path_of(root, key).read_bytes())
+        assert [bytes(p) for p in payloads] == [bytes(b) for b in source.group_buffers()]
+        assert await tier.get_into(key, target)
+        assert same_groups(source, target)
+        assert gaps_untouched(target)
+    finally:
+        source.unref()
+        target.unref()
+
+
+async def test_put_beyond_the_codec_limits_fails_without_a_file(
+    root: Path, arena: HostArena
+) -> None:
+    tier = DiskTier(root, BIG, limits=CodecLimits(max_key_bytes=8))
+    await tier.open()
+    key = make_keys(1)[0]
+    obj = make_obj(arena)
+    try:
+        assert not await tier.put(key, obj)
+        assert files_under(root) == []
+        assert tier.stats()["put_failures"] == 1
+        assert tier.stats()["bytes_reserved"] == 0
+    finally:
+        obj.unref()
+        await tier.aclose()
 
 
 async def test_put_of_a_present_key_does_not_rewrite(
@@ -499,25 +581,28 @@ async def test_use_outside_open_raises(root: Path, arena: HostArena) -> None:
 
 
 # -- faults and cancellation --------------------------------------------------------------------
+@pytest.mark.parametrize("failing_call", [1, 3, 4])
 async def test_put_failure_leaves_nothing(
     tier: DiskTier,
     arena: HostArena,
     root: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    failing_call: int,
 ) -> None:
-    real_write = l2_disk._write_all
+    real_write = l2_disk._write_all_at
     calls = 0
 
-    def failing_write(file: io.FileIO, data: bytes | memoryview) -> None:
+    def failing_write(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
         nonlocal calls
         calls += 1
-        if calls == 3:  # header and first group written, then the disk fills up
-            real_write(file, memoryview(data)[:100])
+        # Calls 1-3 write the three groups, call 4 the header; the disk fills up in the middle.
+        if calls == failing_call:
+            real_write(file, memoryview(data)[:100], offset)
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(file, data)
+        real_write(file, data, offset)
 
-    monkeypatch.setattr(l2_disk, "_write_all", failing_write)
+    monkeypatch.setattr(l2_disk, "_write_all_at", failing_write)
     key = make_keys(1)[0]
     obj = make_obj(arena)
     try:
@@ -531,7 +616,7 @@ async def test_put_failure_leaves_nothing(
         failure = [r for r in caplog.records if r.exc_info]
         assert failure and failure[0].exc_info and failure[0].exc_info[0] is OSError
 
-        monkeypatch.setattr(l2_disk, "_write_all", real_write)
+        monkeypatch.setattr(l2_disk, "_write_all_at", real_write)
         assert await tier.put(key, obj)
     finally:
         obj.unref()
@@ -540,19 +625,19 @@ async def test_put_failure_leaves_nothing(
 async def test_put_cancelled_mid_write_leaves_nothing(
     tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_write = l2_disk._write_all
+    real_write = l2_disk._write_all_at
     started, release = threading.Event(), threading.Event()
     calls = 0
 
-    def slow_write(file: io.FileIO, data: bytes | memoryview) -> None:
+    def slow_write(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
         nonlocal calls
         calls += 1
-        real_write(file, data)
+        real_write(file, data, offset)
         if calls == 2:
             started.set()
             release.wait(10)
 
-    monkeypatch.setattr(l2_disk, "_write_all", slow_write)
+    monkeypatch.setattr(l2_disk, "_write_all_at", slow_write)
     key = make_keys(1)[0]
     obj = make_obj(arena)
     try:
@@ -571,7 +656,7 @@ async def test_put_cancelled_mid_write_leaves_nothing(
         assert tier.stats()["bytes_reserved"] == 0
         assert tier.stats()["put_failures"] == 0
 
-        monkeypatch.setattr(l2_disk, "_write_all", real_write)
+        monkeypatch.setattr(l2_disk, "_write_all_at", real_write)
         assert await tier.put(key, obj)
     finally:
         obj.unref()
@@ -582,14 +667,15 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
 ) -> None:
     real_fsync_dir = l2_disk._fsync_directory
     started, release = threading.Event(), threading.Event()
+    key = make_keys(1)[0]
 
     def slow_fsync_dir(directory: Path) -> None:
-        started.set()
-        release.wait(10)
+        if directory == path_of(root, key).parent:  # after the rename, not the new shard's
+            started.set()
+            release.wait(10)
         real_fsync_dir(directory)
 
     monkeypatch.setattr(l2_disk, "_fsync_directory", slow_fsync_dir)
-    key = make_keys(1)[0]
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         task = asyncio.create_task(tier.put(key, source))
@@ -607,20 +693,53 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
         target.unref()
 
 
+@pytest.mark.parametrize("failing", ["root", "shard"])
 async def test_failed_directory_fsync_unpublishes_the_file(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
+    key = make_keys(1)[0]
+    real_fsync_dir = l2_disk._fsync_directory
+    failing_dir = {"root": root, "shard": path_of(root, key).parent}[failing]
+
     def failing_fsync_dir(directory: Path) -> None:
-        raise OSError(errno.EIO, "Input/output error")
+        if directory == failing_dir:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync_dir(directory)
 
     monkeypatch.setattr(l2_disk, "_fsync_directory", failing_fsync_dir)
-    key = make_keys(1)[0]
     obj = make_obj(arena)
     try:
         assert not await tier.put(key, obj)
         assert files_under(root) == []
         assert not tier.contains(key)
         assert tier.stats()["put_failures"] == 1
+        # A shard directory whose entry may not be durable is not kept for the next put.
+        assert path_of(root, key).parent.exists() == (failing == "shard")
+    finally:
+        obj.unref()
+
+
+async def test_a_new_shard_directory_is_made_durable_once(
+    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fsync_dir = l2_disk._fsync_directory
+    synced: list[Path] = []
+
+    def recording_fsync_dir(directory: Path) -> None:
+        synced.append(directory)
+        real_fsync_dir(directory)
+
+    monkeypatch.setattr(l2_disk, "_fsync_directory", recording_fsync_dir)
+    key = make_keys(1)[0]
+    shard = path_of(root, key).parent
+    obj = make_obj(arena)
+    try:
+        assert await tier.put(key, obj)
+        assert synced == [root, shard]  # the new shard's entry, then the chunk's rename
+        assert await tier.remove(key)
+        synced.clear()
+        assert await tier.put(key, obj)
+        assert synced == [shard]
     finally:
         obj.unref()
 
@@ -630,8 +749,11 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
 ) -> None:
     real_readinto = l2_disk._readinto_exact
     started, release = threading.Event(), threading.Event()
+    calls = 0
 
     def slow_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+        nonlocal calls
+        calls += 1
         done = real_readinto(file, buffer)
         started.set()
         release.wait(10)
@@ -641,6 +763,7 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         assert await tier.put(key, source)
+        monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", 64)  # several slices per group
         monkeypatch.setattr(l2_disk, "_readinto_exact", slow_readinto)
         task = asyncio.create_task(tier.get_into(key, target))
         assert await asyncio.to_thread(started.wait, 10)
@@ -650,6 +773,7 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert calls == 1  # stopped before the next slice
         assert tier.contains(key)  # a cancelled read is not corruption
         monkeypatch.setattr(l2_disk, "_readinto_exact", real_readinto)
         assert await tier.get_into(key, target)

@@ -8,12 +8,21 @@ truncated frame costs nothing. Every malformed input raises `CodecError`, nothin
 
 Frame layout, little-endian::
 
-    prefix   magic b"TKVC" | version u16 | flags u16 | header_len u32 (whole header)
+    prefix   magic b"TKVC" | version u16 | flags u16 | header_len u32 (whole header, padding
+             included; a multiple of PAYLOAD_ALIGN)
     header   key_len u32 | key bytes | num_tokens u32 | group_count u16
              per group: dtype code u8 | ndim u8 | dims u64 x ndim | offset u64 | length u64
+             pad_len u32 | pad_len zero bytes
              payload_checksum u64 (xxh3-64 over the payload)
-             header_checksum u64 (xxh3-64 over every header byte before it)
-    payload  the groups' bytes back to back, logical sizes only
+             header_checksum u64 (xxh3-64 over every header byte before it, padding included)
+    payload  the groups' bytes back to back, logical sizes only, from byte header_len
+
+The padding puts the payload at a multiple of `PAYLOAD_ALIGN` bytes into a file, so reads and
+writes of it move whole pages between page-aligned buffers and page-aligned file offsets (a
+misaligned page-cache copy is markedly slower). It sits before the checksums so that the header
+checksum stays in the header's last 8 bytes and is verified before any field is parsed.
+``pad_len`` is the smallest that aligns the payload (``< PAYLOAD_ALIGN``) and every padding
+byte is zero: decoders refuse anything else, so a frame has exactly one encoding.
 """
 
 from __future__ import annotations
@@ -44,8 +53,14 @@ _CHECKSUM_LEN = _U64.size
 PREFIX_LEN = _PREFIX.size
 """Bytes needed by `header_length` to learn a frame's header length."""
 
-MIN_HEADER_LEN = PREFIX_LEN + _U32.size + _U32.size + _U16.size + 2 * _CHECKSUM_LEN
-"""A header with an empty key and no groups (never valid, but no header can be shorter)."""
+PAYLOAD_ALIGN = 4096
+"""The payload starts at a multiple of this many bytes into the frame (the header is padded)."""
+
+_UNPADDED_MIN_LEN = PREFIX_LEN + _U32.size + _U32.size + _U16.size + _U32.size + 2 * _CHECKSUM_LEN
+"""Header bytes besides the key, the groups and the padding."""
+
+MIN_HEADER_LEN = PAYLOAD_ALIGN
+"""No header is shorter: header lengths are positive multiples of `PAYLOAD_ALIGN`."""
 
 DTYPE_CODES: Mapping[str, int] = MappingProxyType(
     {
@@ -135,7 +150,10 @@ class GroupSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkHeader:
-    """A decoded header: what the frame holds and how long it is."""
+    """A decoded header: what the frame holds and how long it is.
+
+    ``header_len`` counts the padding: the payload starts there, a multiple of `PAYLOAD_ALIGN`.
+    """
 
     key_bytes: bytes
     num_tokens: int
@@ -225,19 +243,38 @@ def header_length(prefix: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> in
             f"header_len {header_len} outside [{MIN_HEADER_LEN}, "
             f"max_header_bytes={limits.max_header_bytes}]"
         )
+    if header_len % PAYLOAD_ALIGN:
+        raise CodecError(
+            f"header_len {header_len} is not a multiple of PAYLOAD_ALIGN={PAYLOAD_ALIGN}"
+        )
     return int(header_len)
 
 
-def encoded_header_len(key_len: int, groups: Sequence[GroupSpec]) -> int:
-    """Length `encode_header` will produce for a key of ``key_len`` bytes and ``groups``."""
+def _unpadded_header_len(key_len: int, groups: Sequence[GroupSpec]) -> int:
     per_group = sum(_GROUP_HEAD.size + _U64.size * (len(g.shape) + 2) for g in groups)
-    return MIN_HEADER_LEN + key_len + per_group
+    return _UNPADDED_MIN_LEN + key_len + per_group
 
 
-def _check_encodable(
-    key_bytes: bytes, num_tokens: int, groups: Sequence[GroupSpec], limits: CodecLimits
-) -> None:
-    """Refuse to write what `decode_header` with the same limits would refuse to read."""
+def encoded_header_len(key_len: int, groups: Sequence[GroupSpec]) -> int:
+    """Length `encode_header` will produce for a key of ``key_len`` bytes and ``groups``.
+
+    It is where the payload starts, a multiple of `PAYLOAD_ALIGN`.
+    """
+    unpadded = _unpadded_header_len(key_len, groups)
+    return -(-unpadded // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+
+
+def check_encodable(
+    key_bytes: bytes,
+    num_tokens: int,
+    groups: Sequence[GroupSpec],
+    limits: CodecLimits = DEFAULT_LIMITS,
+) -> int:
+    """Refuse to write what `decode_header` with the same limits would refuse to read.
+
+    Returns the header's length. For writers that stream the payload before they know its
+    checksum: check first, write the payload at this offset, then `encode_header`.
+    """
     if len(key_bytes) > limits.max_key_bytes:
         raise CodecError(f"key is {len(key_bytes)} bytes, max_key_bytes={limits.max_key_bytes}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
@@ -263,6 +300,7 @@ def _check_encodable(
         raise CodecError(
             f"header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}"
         )
+    return header_len
 
 
 def encode_header(
@@ -275,10 +313,10 @@ def encode_header(
 ) -> bytes:
     """The header of a frame holding ``groups`` (payload bytes not included)."""
     key_bytes = bytes(key_bytes)
-    _check_encodable(key_bytes, num_tokens, groups, limits)
+    header_len = check_encodable(key_bytes, num_tokens, groups, limits)
     if not 0 <= payload_checksum <= _U64_MAX:
         raise CodecError(f"payload_checksum must be in [0, 2**64), got {payload_checksum}")
-    header_len = encoded_header_len(len(key_bytes), groups)
+    pad_len = header_len - _unpadded_header_len(len(key_bytes), groups)
     parts = [
         _PREFIX.pack(MAGIC, FORMAT_VERSION, KNOWN_FLAGS, header_len),
         _U32.pack(len(key_bytes)),
@@ -292,6 +330,8 @@ def encode_header(
         parts.append(struct.pack(f"<{len(group.shape)}Q", *group.shape))
         parts.append(struct.pack("<QQ", offset, group.nbytes))
         offset += group.nbytes
+    parts.append(_U32.pack(pad_len))
+    parts.append(bytes(pad_len))
     parts.append(_U64.pack(payload_checksum))
     body = b"".join(parts)
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
@@ -356,11 +396,25 @@ def decode_header(data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> Chun
                 f"max_payload_bytes={limits.max_payload_bytes}"
             )
         groups.append(GroupSpec(dtype, shape))
-    payload_checksum = reader.unpack(_U64, "payload_checksum")
-    if reader.pos != checked_end:
+    pad_len = reader.unpack(_U32, "pad_len")
+    room = checked_end - _CHECKSUM_LEN - reader.pos
+    if pad_len != room:
         raise CodecError(
-            f"header: {checked_end - reader.pos} unexpected bytes before the header checksum"
+            f"header: pad_len {pad_len} disagrees with header_len {header_len}, which leaves "
+            f"{room} bytes between the pad_len field and the payload checksum"
         )
+    if pad_len >= PAYLOAD_ALIGN:
+        raise CodecError(
+            f"header: {pad_len} bytes of padding, but at most {PAYLOAD_ALIGN - 1} are ever "
+            "needed to align the payload"
+        )
+    padding = bytes(reader.take(pad_len, "padding"))
+    if padding != bytes(pad_len):
+        first = next(index for index, value in enumerate(padding) if value)
+        raise CodecError(
+            f"header: padding byte {first} of {pad_len} is {padding[first]:#04x}, must be zero"
+        )
+    payload_checksum = reader.unpack(_U64, "payload_checksum")
     return ChunkHeader(key_bytes, num_tokens, tuple(groups), payload_checksum, header_len)
 
 

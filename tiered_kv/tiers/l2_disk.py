@@ -41,15 +41,16 @@ import xxhash
 
 from tiered_kv.codec import (
     DEFAULT_LIMITS,
+    MIN_HEADER_LEN,
     PREFIX_LEN,
     ChunkHeader,
     CodecLimits,
     GroupSpec,
+    check_encodable,
     decode_header,
     encode_header,
     encoded_header_len,
     header_length,
-    payload_checksum,
 )
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError, L2DirectoryInUseError
 from tiered_kv.keys import ChunkKey
@@ -62,6 +63,12 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 _TEMP_SUFFIX = ".tmp"
 _HEX_DIGITS = frozenset("0123456789abcdef")
+# The payload moves in slices, each hashed while it is in the CPU cache, instead of in a separate
+# pass over the whole payload. Writes hash a slice just before writing it, so the kernel's copy
+# reads it from cache; reads hash a slice just after reading it, while the copy's destination is
+# still in the core's L2. Sizes measured best on a 2-core EPYC (1 MiB L2 per core, 32 MiB L3).
+_WRITE_SLICE_BYTES = 4 << 20
+_READ_SLICE_BYTES = 1 << 20
 
 _T = TypeVar("_T")
 
@@ -134,14 +141,21 @@ def _check_abort(abort: threading.Event) -> None:
         raise _Aborted
 
 
-def _write_all(file: io.FileIO, data: bytes | memoryview) -> None:
-    """Write every byte of ``data`` (raw writes may be short)."""
+def _write_all_at(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
+    """Write every byte of ``data`` at ``offset`` (raw writes may be short)."""
     view = memoryview(data)
+    fd = file.fileno()
     while view:
-        written = file.write(view)
+        written = os.pwrite(fd, view, offset)
         if not written:
             raise OSError(f"write to {file.name!r} made no progress")
         view = view[written:]
+        offset += written
+
+
+def _slices(buffer: memoryview, size: int) -> Iterator[memoryview]:
+    for start in range(0, len(buffer), size):
+        yield buffer[start : start + size]
 
 
 def _read_exact(file: io.FileIO, size: int) -> bytes:
@@ -169,10 +183,16 @@ def _readinto_exact(file: io.FileIO, buffer: memoryview) -> bool:
 
 
 def _read_header(file: io.FileIO, limits: CodecLimits) -> ChunkHeader:
-    """The header at the start of ``file``; `CodecError` when torn or malformed."""
-    prefix = _read_exact(file, PREFIX_LEN)
-    rest = _read_exact(file, header_length(prefix, limits) - PREFIX_LEN)
-    return decode_header(prefix + rest, limits)
+    """The header at the start of ``file``; `CodecError` when torn or malformed.
+
+    Leaves ``file`` at the payload's first byte.
+    """
+    # One read covers the usual header: none is shorter than MIN_HEADER_LEN.
+    head = _read_exact(file, MIN_HEADER_LEN)
+    header_len = header_length(head[:PREFIX_LEN], limits)
+    if header_len > len(head):
+        head += _read_exact(file, header_len - len(head))
+    return decode_header(head, limits)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -212,23 +232,46 @@ class _WriteJob:
     committed: bool = False
 
 
-def _write_chunk_file(job: _WriteJob) -> None:
-    """Temp file, write, fsync, rename, fsync the directory. Leaves no temp file behind."""
-    _check_abort(job.abort)
-    job.directory.mkdir(exist_ok=True)
-    header = encode_header(
-        job.key_bytes,
-        job.num_tokens,
-        job.specs,
-        payload_checksum(job.buffers),
-        limits=job.limits,
-    )
-    parts: list[bytes | memoryview] = [header, *job.buffers]
+def _create_temp_file(job: _WriteJob) -> io.FileIO:
+    """Create the temp file; the shard directory too on its first chunk, made durable then."""
     try:
-        with open(job.temp_path, "xb", buffering=0) as file:
-            for part in parts:
-                _check_abort(job.abort)
-                _write_all(file, part)
+        return open(job.temp_path, "xb", buffering=0)
+    except FileNotFoundError:
+        pass  # once per shard; trying first spares every other put a mkdir call
+    job.directory.mkdir(exist_ok=True)
+    if job.fsync:
+        try:
+            _fsync_directory(job.directory.parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                job.directory.rmdir()  # so that the next put creates and fsyncs it again
+            raise
+    return open(job.temp_path, "xb", buffering=0)
+
+
+def _write_chunk_file(job: _WriteJob) -> None:
+    """Temp file, write, fsync, rename, fsync the directory. Leaves no temp file behind.
+
+    The payload is written first, at its offset after the header, one hashed slice at a time;
+    the header, which holds the hash, goes last at offset 0.
+    """
+    _check_abort(job.abort)
+    header_len = check_encodable(job.key_bytes, job.num_tokens, job.specs, job.limits)
+    try:
+        with _create_temp_file(job) as file:
+            state = xxhash.xxh3_64()
+            position = header_len
+            for buffer in job.buffers:
+                for piece in _slices(buffer, _WRITE_SLICE_BYTES):
+                    _check_abort(job.abort)
+                    state.update(piece)
+                    _write_all_at(file, piece, position)
+                    position += len(piece)
+            header = encode_header(
+                job.key_bytes, job.num_tokens, job.specs, state.intdigest(), limits=job.limits
+            )
+            _check_abort(job.abort)
+            _write_all_at(file, header, 0)
             if job.fsync:
                 os.fsync(file.fileno())
         _check_abort(job.abort)
@@ -287,10 +330,11 @@ def _read_chunk_file(
             )
         state = xxhash.xxh3_64()
         for index, buffer in enumerate(buffers):
-            _check_abort(abort)
-            if not _readinto_exact(file, buffer):
-                return _ReadOutcome.CORRUPT, f"short read in group {index}"
-            state.update(buffer)
+            for piece in _slices(buffer, _READ_SLICE_BYTES):
+                _check_abort(abort)
+                if not _readinto_exact(file, piece):
+                    return _ReadOutcome.CORRUPT, f"short read in group {index}"
+                state.update(piece)
         computed = state.intdigest()
         if computed != header.payload_checksum:
             return _ReadOutcome.CORRUPT, (
