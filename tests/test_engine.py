@@ -192,3 +192,30 @@ async def test_lower_tier_failures_are_misses_not_errors() -> None:
         assert await engine.retrieve(TOKENS, list(range(8, 15))) == 0
         assert engine.stats()["storage"]["misses"] >= 1
         assert engine.stats()["arena"]["used"] == 0
+
+
+async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error() -> None:
+    # 32-token chunks of 2 layers x 2 x 8 x 128 bf16 are 256 KiB; L1 holds two of them.
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
+    tier = MemoryTier()
+    src, dst = list(range(7)), list(range(8, 15))
+    async with TieredKVEngine(_config(l1_size="640KiB"), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        stored = 0
+        for end in (32, 64, 96, 100):  # one chunk at a time, so L1 can always stage it
+            stored += await engine.store(TOKENS[:end], src)
+            await engine.flush()
+        assert stored == 100
+        assert tier.stats()["entries"] == 4
+        await engine.evict_l1()
+        assert await engine.lookup(TOKENS) == 100
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        got = await engine.retrieve(TOKENS, dst)
+        assert got == 64  # two chunks fit; the third could not be staged
+        assert engine.stats()["storage"]["promotion_failures"] >= 1
+        expect_copy(caches, expected, reference, src, dst, range(64), 16)
+        assert caches.bytes_equal(expected)  # delivered prefix exact, the rest untouched
+        await engine.evict_l1()
+        assert engine.stats()["arena"]["used"] == 0

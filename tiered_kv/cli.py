@@ -68,6 +68,7 @@ class DemoReport:
     mismatched_chunks: int = 0
     restart_hit_tokens: int = 0
     restart_prompt_tokens: int = 0
+    short_retrieves: int = 0  # lookup promised more than L1 could hold at retrieve time
 
 
 class SimulatedModel:
@@ -166,8 +167,10 @@ async def _serve_turn(
     blocks = model.allocate_blocks(len(prompt), rng)
     try:
         valid = await engine.retrieve(prompt, blocks)
-        if valid != hit:
-            report.mismatched_chunks += 1  # a lookup hit that retrieve could not deliver
+        if valid < hit:
+            # Not an error: L1 could not hold the whole cached prefix at once (every chunk a
+            # retrieve delivers is referenced until its copy); the engine computes the rest.
+            report.short_retrieves += 1
         good, bad = model.verify(keys, blocks, valid)
         report.verified_chunks += good
         report.mismatched_chunks += bad
@@ -277,8 +280,9 @@ def _print_report(
     verdict = "OK" if report.mismatched_chunks == 0 and report.verified_chunks else "FAILED"
     w(
         f"\n  restart replay: {report.restart_hit_tokens}/{report.restart_prompt_tokens} prompt "
-        f"tokens restored from L2\n"
+        f"tokens restored from cache\n"
     )
+    w(f"  short retrieves (L1 too full to hold a whole cached prefix): {report.short_retrieves}\n")
     w(
         f"  verification: {report.verified_chunks} retrieved chunks checked bit for bit, "
         f"{report.mismatched_chunks} mismatches -> {verdict}\n"
