@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -70,6 +71,7 @@ class TorchMover(KVMover):
 
     def __init__(self) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tkv-mover")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # used by the worker only
         self.bytes_gathered = 0
         self.bytes_scattered = 0
         self.gather_seconds = 0.0
@@ -107,15 +109,13 @@ class TorchMover(KVMover):
             ready.record(torch.cuda.current_stream(layout.device))
 
         def work() -> float:
-            import time
-
             start = time.perf_counter()
             ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=layout.device)
             if ready is None:
                 for transfer in transfers:
                     copy_one(layout, ids, transfer)
             else:
-                stream = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+                stream = self._stream(layout.device)
                 stream.wait_event(ready)
                 with torch.cuda.stream(stream):
                     for transfer in transfers:
@@ -136,6 +136,14 @@ class TorchMover(KVMover):
         # Shielded: a cancelled caller must not cancel the future, whose callback releases the
         # objects only once the worker thread has stopped touching them.
         return await asyncio.shield(future)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This mover's side stream on ``device``, created once (worker thread only)."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._streams[device] = stream
+        return stream
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
