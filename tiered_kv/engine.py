@@ -384,14 +384,8 @@ class TieredKVEngine:
             out["arena"] = {k: int(v) for k, v in arena.items()}
         if self._l2 is not None:
             out["l2"] = dict(self._l2.stats())
-        mover = self._mover
-        if isinstance(mover, TorchMover):
-            out["mover"] = {
-                "bytes_gathered": mover.bytes_gathered,
-                "bytes_scattered": mover.bytes_scattered,
-                "gather_seconds": mover.gather_seconds,
-                "scatter_seconds": mover.scatter_seconds,
-            }
+        if self._mover is not None:
+            out["mover"] = dict(self._mover.stats())
         return out
 
 

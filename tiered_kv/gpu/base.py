@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
@@ -48,6 +48,11 @@ class KVMover(abc.ABC):
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:
         """Host objects → paged caches, skipping each transfer's first ``skip_tokens``."""
+
+    def stats(self) -> Mapping[str, int | float]:
+        """Counters, flat name → number (bytes moved, seconds spent, per path where it has
+        several)."""
+        return {}
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release streams, threads and buffers."""

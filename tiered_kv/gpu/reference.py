@@ -145,5 +145,13 @@ class TorchMover(KVMover):
             self._streams[device] = stream
         return stream
 
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "bytes_gathered": self.bytes_gathered,
+            "bytes_scattered": self.bytes_scattered,
+            "gather_seconds": self.gather_seconds,
+            "scatter_seconds": self.scatter_seconds,
+        }
+
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)

@@ -16,7 +16,7 @@ Contract for implementers:
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
@@ -31,7 +31,15 @@ class LowerTier(abc.ABC):
 
     @abc.abstractmethod
     def contains(self, key: ChunkKey) -> bool:
-        """Whether the tier holds ``key``, from its index."""
+        """Whether the tier holds ``key``, from its index (no I/O; a remote tier answers from
+        what it has seen, so it may say False for a key another process stored)."""
+
+    async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Which of ``keys`` the tier holds, in order; a remote tier asks in one round trip.
+
+        Lookup uses this for the chunks L1 does not hold. A failure answers False (a miss).
+        """
+        return [self.contains(key) for key in keys]
 
     @abc.abstractmethod
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
