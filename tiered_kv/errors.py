@@ -33,3 +33,27 @@ class EngineStateError(TieredKVError, RuntimeError):
 
 class L2DirectoryInUseError(TieredKVError, RuntimeError):
     """Another process holds the lock on this L2 directory."""
+
+
+class RemoteError(TieredKVError):
+    """A remote cache (``tkv://`` server or Redis/Valkey) failed a request.
+
+    The L3 tier turns these into misses and skipped stores; they reach callers only of the
+    connector and client APIs themselves.
+    """
+
+
+class RemoteUnavailable(RemoteError, ConnectionError):
+    """The remote cache cannot be reached (refused, reset, or backing off after failures)."""
+
+
+class RemoteTimeout(RemoteError, TimeoutError):
+    """A remote request did not complete within its timeout."""
+
+
+class RemoteAuthError(RemoteError):
+    """The remote cache refused our credentials (wrong or missing token)."""
+
+
+class ProtocolError(RemoteError, ValueError):
+    """A frame of the remote protocol is malformed, over a limit, or of another version."""

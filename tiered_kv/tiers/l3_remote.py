@@ -1,0 +1,355 @@
+"""`RemoteTier` (L3): chunk frames in a remote store, through a `RemoteConnector`.
+
+Owns the codec glue (frames built from and verified into `MemoryObj` buffers), per-request
+timeouts, the local set of keys known to be remote (what `contains` answers from), and the
+counters. `remote_tier_from_config` picks the connector from ``EngineConfig.l3_url``.
+
+Must not: raise into the serving path (every failure or timeout is a miss or a skipped store,
+logged and counted), keep `MemoryObj`s or change their reference counts, hand out bytes whose
+key, layout and checksum were not verified, or do I/O in `contains`.
+
+Threads: loop-only, like every tier. A call cancelled or timed out while a connector holds the
+caller's buffers returns only after the connector let go of them (see `RemoteConnector`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tiered_kv.codec import (
+    DEFAULT_LIMITS,
+    CodecLimits,
+    decode_header,
+    encode_header,
+    encoded_header_len,
+    payload_checksum,
+)
+from tiered_kv.errors import CodecError, ConfigError, EngineStateError
+from tiered_kv.keys import ChunkKey
+from tiered_kv.memory import MemoryObj
+from tiered_kv.tiers.base import LowerTier
+from tiered_kv.tiers.l2_disk import chunk_specs
+from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink, RemoteConnector
+
+if TYPE_CHECKING:
+    from tiered_kv.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KNOWN_KEYS = 1 << 20
+
+_COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "put_failures",
+    "exists_calls",
+    "exists_keys",
+    "exists_failures",
+    "read_failures",
+    "timeouts",
+    "layout_mismatch",
+    "corrupt",
+    "corrupt_removed",
+    "bytes_written",
+    "bytes_read",
+)
+
+
+class RemoteTier(LowerTier):
+    """L3 over ``connector``; every remote call is bounded by ``timeout_s``.
+
+    ``known_keys`` bounds the set `contains` answers from (least recently seen keys are
+    forgotten first; a forgotten key is only a later `contains_many` round trip away).
+    """
+
+    name = "L3"
+
+    def __init__(
+        self,
+        connector: RemoteConnector,
+        *,
+        timeout_s: float = 5.0,
+        known_keys: int = DEFAULT_KNOWN_KEYS,
+        limits: CodecLimits = DEFAULT_LIMITS,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"RemoteTier: timeout_s must be > 0, got {timeout_s!r}")
+        if isinstance(known_keys, bool) or not isinstance(known_keys, int) or known_keys < 1:
+            raise ConfigError(f"RemoteTier: known_keys must be an int >= 1, got {known_keys!r}")
+        self.connector = connector
+        self.timeout_s = timeout_s
+        self.limits = limits
+        self._known_max = known_keys
+        self._known: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._write_seconds = 0.0
+        self._read_seconds = 0.0
+        self._state = "new"
+
+    # -- lifetime ---------------------------------------------------------------------------
+    async def open(self) -> None:
+        if self._state != "new":
+            raise EngineStateError(f"RemoteTier.open: already {self._state}; open is called once")
+        await self.connector.open()
+        self._state = "open"
+        logger.info("L3: %s", self.connector.description)
+
+    async def aclose(self) -> None:
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        self._known.clear()
+        await self.connector.aclose()
+
+    def _check_open(self, verb: str) -> None:
+        if self._state != "open":
+            raise EngineStateError(
+                f"RemoteTier.{verb}: the tier is {self._state}; call open() first, not after "
+                "aclose()"
+            )
+
+    # -- known keys -------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._known
+
+    def _remember(self, key: ChunkKey) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > self._known_max:
+            self._known.popitem(last=False)
+
+    def _forget(self, key: ChunkKey) -> None:
+        self._known.pop(key, None)
+
+    def _failed(self, what: str, key: ChunkKey | None, exc: Exception) -> None:
+        if isinstance(exc, TimeoutError):
+            self._counters["timeouts"] += 1
+            logger.info("L3 %s of %s timed out after %.2fs", what, _name(key), self.timeout_s)
+        else:
+            logger.warning(
+                "L3 %s of %s failed on %s",
+                what,
+                _name(key),
+                self.connector.description,
+                exc_info=True,
+            )
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {"known_keys": len(self._known), **self._counters}
+        out["write_seconds"] = self._write_seconds
+        out["read_seconds"] = self._read_seconds
+        for name, value in self.connector.stats().items():
+            out[f"client_{name}"] = value
+        return out
+
+    # -- data -------------------------------------------------------------------------------
+    async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        self._check_open("contains_many")
+        if not keys:
+            return []
+        self._counters["exists_calls"] += 1
+        self._counters["exists_keys"] += len(keys)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                flags = await self.connector.exists(keys)
+            if len(flags) != len(keys):
+                raise CodecError(f"exists answered {len(flags)} flags for {len(keys)} keys")
+        except Exception as exc:  # tier boundary: a miss
+            self._counters["exists_failures"] += 1
+            self._failed("exists", None, exc)
+            return [False] * len(keys)
+        for key, flag in zip(keys, flags, strict=True):
+            if flag:
+                self._remember(key)
+            else:
+                self._forget(key)
+        return flags
+
+    async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self._check_open("put")
+        specs = chunk_specs(obj)
+        buffers = obj.group_buffers()
+        key_bytes = key.to_bytes()
+        started = time.perf_counter()
+        try:
+            header = encode_header(
+                key_bytes, obj.num_tokens, specs, payload_checksum(buffers), limits=self.limits
+            )
+            frame_len = len(header) + sum(len(buffer) for buffer in buffers)
+            async with asyncio.timeout(self.timeout_s):
+                await self.connector.put(key, [header, *buffers], frame_len)
+        except Exception as exc:  # tier boundary: a skipped store
+            self._counters["put_failures"] += 1
+            self._failed("put", key, exc)
+            return False
+        finally:
+            self._write_seconds += time.perf_counter() - started
+        self._remember(key)
+        self._counters["puts"] += 1
+        self._counters["bytes_written"] += frame_len
+        return True
+
+    async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self._check_open("get_into")
+        specs = chunk_specs(obj)
+        key_bytes = key.to_bytes()
+        sink = FrameSink(bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers())
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                status = await self.connector.get_into(key, sink)
+        except Exception as exc:  # tier boundary: a miss
+            self._counters["read_failures"] += 1
+            self._counters["misses"] += 1
+            self._failed("get", key, exc)
+            return False
+        finally:
+            self._read_seconds += time.perf_counter() - started
+        if status is FetchStatus.MISSING:
+            self._forget(key)
+            self._counters["misses"] += 1
+            return False
+        if status is FetchStatus.SIZE_MISMATCH:
+            self._counters["layout_mismatch"] += 1
+            self._counters["misses"] += 1
+            return False
+        problem = self._verify(key_bytes, obj.num_tokens, specs, sink)
+        if problem is not None:
+            self._counters["misses"] += 1
+            if problem == "layout":
+                self._counters["layout_mismatch"] += 1
+                return False
+            self._counters["corrupt"] += 1
+            logger.warning("L3: %s is corrupt (%s); removing it", key.hex, problem)
+            await self._remove_corrupt(key)
+            return False
+        self._remember(key)
+        self._counters["hits"] += 1
+        self._counters["bytes_read"] += sink.total_len
+        return True
+
+    def _verify(
+        self, key_bytes: bytes, num_tokens: int, specs: object, sink: FrameSink
+    ) -> str | None:
+        """None when the frame is ours and intact; else "layout" or what is corrupt."""
+        try:
+            header = decode_header(sink.header, self.limits)
+        except CodecError as exc:
+            return f"bad header: {exc}"
+        if header.key_bytes != key_bytes:
+            return "the frame holds another key"
+        if header.num_tokens != num_tokens or header.groups != specs:
+            return "layout"
+        if header.header_len != len(sink.header):
+            return f"header is {header.header_len} bytes, expected {len(sink.header)}"
+        computed = sink.hasher.intdigest()
+        if computed != header.payload_checksum:
+            return (
+                f"payload checksum mismatch: header {header.payload_checksum:#018x}, "
+                f"data {computed:#018x}"
+            )
+        return None
+
+    async def _remove_corrupt(self, key: ChunkKey) -> None:
+        self._forget(key)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                removed = await self.connector.delete([key])
+        except Exception as exc:  # tier boundary: best effort
+            self._failed("delete", key, exc)
+            return
+        if any(removed):
+            self._counters["corrupt_removed"] += 1
+
+    async def remove(self, key: ChunkKey) -> bool:
+        self._check_open("remove")
+        self._forget(key)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                removed = await self.connector.delete([key])
+        except Exception as exc:  # tier boundary
+            self._failed("delete", key, exc)
+            return False
+        return any(removed)
+
+    async def remote_stats(self) -> dict[str, int | float]:
+        """The store's own counters (one round trip); empty when it cannot be reached."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return dict(await self.connector.remote_stats())
+        except Exception as exc:  # tier boundary
+            self._failed("stats", None, exc)
+            return {}
+
+
+def _name(key: ChunkKey | None) -> str:
+    return "a batch" if key is None else key.hex
+
+
+# -- configuration ------------------------------------------------------------------------------
+TKV_SCHEME = "tkv"
+
+
+def parse_tkv_url(url: str) -> tuple[str, int]:
+    """(host, port) of a ``tkv://host:port`` URL; `ConfigError` when malformed."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != TKV_SCHEME or not parts.hostname or port is None:
+        raise ConfigError(f"l3_url: expected tkv://host:port, got {url!r}")
+    return parts.hostname, port
+
+
+def read_token_file(path: str) -> bytes:
+    """The token in ``path`` (one trailing newline dropped); `ConfigError` when unusable."""
+    try:
+        token = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"l3_token_file: cannot read {path!r}: {exc}") from None
+    token = token.removesuffix(b"\n").removesuffix(b"\r")
+    if not token:
+        raise ConfigError(f"l3_token_file: {path!r} is empty")
+    return token
+
+
+def remote_tier_from_config(config: EngineConfig) -> LowerTier:
+    """The L3 tier ``config.l3_url`` names: ``tkv://`` for the built-in server, ``redis://``,
+    ``rediss://``, ``valkey://`` (and ``+cluster`` forms, e.g. ``redis+cluster://``) for Redis."""
+    url = config.l3_url
+    if url is None:
+        raise ConfigError("l3_url: not set")
+    scheme = urllib.parse.urlsplit(url).scheme
+    token = None if config.l3_token_file is None else read_token_file(config.l3_token_file)
+    connector: RemoteConnector
+    if scheme == TKV_SCHEME:
+        from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
+
+        host, port = parse_tkv_url(url)
+        options = ClientOptions(pool_size=config.l3_pool_size, timeout_s=config.l3_timeout_s)
+        connector = TkvConnector(RemoteClient(host, port, token=token, options=options))
+    else:
+        from tiered_kv.tiers.remote.redis import SCHEMES, RedisConnector
+
+        if scheme not in SCHEMES:
+            raise ConfigError(
+                f"l3_url: unknown scheme {scheme!r}; use tkv, {', '.join(SCHEMES)}"
+            )
+        connector = RedisConnector(
+            url,
+            key_prefix=config.l3_key_prefix,
+            ttl_s=config.l3_ttl_s,
+            timeout_s=config.l3_timeout_s,
+            password=None if token is None else token.decode("utf-8", "replace"),
+            max_connections=max(config.l3_pool_size, 8),
+        )
+    return RemoteTier(connector, timeout_s=config.l3_timeout_s)

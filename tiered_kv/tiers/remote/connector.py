@@ -1,0 +1,90 @@
+"""`RemoteConnector`: the interface between the L3 tier and one kind of remote store.
+
+Owns nothing but the contract. A connector moves whole chunk frames (`tiered_kv.codec`) by key
+and raises on failure (`RemoteError`, `OSError`, a client library's own errors); the tier
+(`tiered_kv.tiers.l3_remote.RemoteTier`) builds and verifies frames, applies timeouts and turns
+every failure into a miss or a skipped store.
+
+Contract for implementers:
+- Loop-only: every method runs on the engine's event loop.
+- Buffers belong to the caller. `put` reads ``frame``'s parts and `get_into` writes the sink's
+  buffers only until it returns or raises (cancellation included); neither keeps them.
+- `get_into` fills ``sink.header`` then ``sink.payload`` in order and feeds every payload byte
+  to ``sink.hasher``; a stored frame whose length is not ``sink.total_len`` is SIZE_MISMATCH
+  and nothing is promised about the buffers then.
+- Keys of different namespaces (tenants) never meet: a connector names a key from its full
+  scope (the tkv server uses `ChunkKey.to_bytes`, Redis a prefix that includes the namespace).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+
+import xxhash
+
+from tiered_kv.keys import ChunkKey
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class FetchStatus(enum.Enum):
+    HIT = "hit"
+    MISSING = "missing"
+    SIZE_MISMATCH = "size mismatch"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class FrameSink:
+    """Where `get_into` puts a frame: its header, then the payload straight into L1 buffers."""
+
+    header: bytearray
+    payload: list[memoryview]
+    hasher: xxhash.xxh3_64 = dataclasses.field(default_factory=xxhash.xxh3_64)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.header) + sum(len(buffer) for buffer in self.payload)
+
+    def buffers(self) -> list[memoryview]:
+        return [memoryview(self.header), *self.payload]
+
+
+class RemoteConnector(abc.ABC):
+    """One remote store. ``description`` names it in logs (never with credentials)."""
+
+    description: str
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Prepare clients; must not fail because the store is down (connect lazily)."""
+
+    @abc.abstractmethod
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Which keys the store holds, in order, in one round trip."""
+
+    @abc.abstractmethod
+    async def put(self, key: ChunkKey, frame: Sequence[BytesLike], frame_len: int) -> None:
+        """Store the frame given as parts (header, then payload); raises on failure."""
+
+    @abc.abstractmethod
+    async def get_into(self, key: ChunkKey, sink: FrameSink) -> FetchStatus:
+        """Fill ``sink`` with ``key``'s frame."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Drop keys; which were present."""
+
+    async def remote_stats(self) -> Mapping[str, int | float]:
+        """The store's own counters, where it has any (one round trip)."""
+        return {}
+
+    def stats(self) -> Mapping[str, int | float]:
+        """Client-side counters (connections, reconnects)."""
+        return {}
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release connections; safe to call twice."""

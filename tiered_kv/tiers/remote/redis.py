@@ -1,0 +1,179 @@
+"""`RedisConnector`: chunk frames in Redis or Valkey (single node or Cluster) via redis.asyncio.
+
+Owns the redis-py client, key naming and TTLs. A value is one whole codec frame (header with
+checksums, then payload). Names are ``<prefix>:<namespace>:<key hex>``: the prefix separates
+deployments sharing a server, the (percent-encoded) namespace separates tenants, and the key's
+chunk hash is seeded by its whole scope (model, fingerprint, worker, layout), so different
+shards never collide; the frame's key bytes are still compared on every read. Percent-encoding
+keeps ``{`` and ``}`` out of names, so no hash tag pins a tenant to one Cluster slot.
+
+Batches go out as one non-transactional pipeline: a single round trip on one node, one per node
+holding any of the keys in Cluster mode (no MULTI, so cross-slot keys are fine).
+
+Copies: redis-py needs a value as one argument, so `put` joins header and payload into one
+buffer (one memcpy per chunk), and `get_into` copies the reply into the L1 buffers, hashing each
+piece as it lands. The built-in ``tkv://`` server avoids both.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio
+import redis.asyncio.cluster
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.keys import ChunkKey
+from tiered_kv.tiers.remote.connector import BytesLike, FetchStatus, FrameSink, RemoteConnector
+
+# URL schemes → (scheme redis-py understands, cluster mode).
+SCHEMES = {
+    "redis": ("redis", False),
+    "rediss": ("rediss", False),
+    "valkey": ("redis", False),
+    "valkeys": ("rediss", False),
+    "redis+cluster": ("redis", True),
+    "rediss+cluster": ("rediss", True),
+    "valkey+cluster": ("redis", True),
+    "valkeys+cluster": ("rediss", True),
+}
+
+
+def redis_key_name(prefix: str, key: ChunkKey) -> str:
+    namespace = urllib.parse.quote(key.scope.namespace, safe="")
+    return f"{prefix}:{namespace}:{key.hex}"
+
+
+def describe_url(url: str) -> str:
+    """``url`` without its password, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class RedisConnector(RemoteConnector):
+    """Redis / Valkey at ``url`` (any scheme of `SCHEMES`).
+
+    ``password`` is used when the URL carries none (e.g. read from a token file). ``ttl_s``
+    makes every stored chunk expire (None: keep until Redis evicts it under maxmemory).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "tkv",
+        ttl_s: float | None = None,
+        timeout_s: float = 5.0,
+        password: str | None = None,
+        max_connections: int = 16,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in SCHEMES:
+            raise ConfigError(
+                f"RedisConnector: scheme {parts.scheme!r} not one of {', '.join(SCHEMES)}"
+            )
+        scheme, self.cluster = SCHEMES[parts.scheme]
+        self._url = urllib.parse.urlunsplit((scheme, *parts[1:]))
+        self.description = describe_url(url)
+        self.key_prefix = key_prefix
+        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._kwargs: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "max_connections": max_connections,
+        }
+        if password is not None and parts.password is None:
+            self._kwargs["password"] = password
+        self._client: Any = None
+
+    def name(self, key: ChunkKey) -> str:
+        return redis_key_name(self.key_prefix, key)
+
+    async def open(self) -> None:
+        if self.cluster:
+            # Cluster discovery needs a live node; defer it to the first request so a store
+            # that is down at start-up costs misses, not a failed engine start.
+            self._client = None
+        else:
+            self._client = redis.asyncio.Redis.from_url(self._url, **self._kwargs)
+
+    async def _redis(self) -> Any:
+        if self._client is None:
+            client = redis.asyncio.cluster.RedisCluster.from_url(self._url, **self._kwargs)
+            try:
+                await client.initialize()
+            except BaseException:
+                await client.aclose()
+                raise
+            self._client = client
+        return self._client
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        client = await self._redis()
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.name(key))
+        results = await pipe.execute()
+        return [bool(result) for result in results]
+
+    async def put(self, key: ChunkKey, frame: Sequence[BytesLike], frame_len: int) -> None:
+        value = bytearray(frame_len)
+        view = memoryview(value)
+        position = 0
+        for part in frame:
+            size = len(part)
+            view[position : position + size] = part
+            position += size
+        client = await self._redis()
+        await client.set(self.name(key), view, px=self.ttl_ms)
+
+    async def get_into(self, key: ChunkKey, sink: FrameSink) -> FetchStatus:
+        client = await self._redis()
+        value = await client.get(self.name(key))
+        if value is None:
+            return FetchStatus.MISSING
+        if len(value) != sink.total_len:
+            return FetchStatus.SIZE_MISMATCH
+        view = memoryview(value)
+        header_len = len(sink.header)
+        sink.header[:] = view[:header_len]
+        position = header_len
+        for buffer in sink.payload:
+            piece = view[position : position + len(buffer)]
+            buffer[:] = piece
+            sink.hasher.update(piece)
+            position += len(buffer)
+        return FetchStatus.HIT
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        client = await self._redis()
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(self.name(key))
+        return [bool(result) for result in await pipe.execute()]
+
+    async def remote_stats(self) -> dict[str, int | float]:
+        client = await self._redis()
+        info = await client.info("memory")
+        if self.cluster:  # one dict per node: sum what is numeric
+            totals: dict[str, int | float] = {}
+            for node_info in info.values():
+                for name, value in node_info.items():
+                    if isinstance(value, int | float):
+                        totals[name] = totals.get(name, 0) + value
+            return totals
+        return {k: v for k, v in info.items() if isinstance(v, int | float)}
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
