@@ -4,6 +4,7 @@ Importing this package never imports CUDA bindings; the NVRTC path lives in its 
 """
 
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.gpu.reference import TorchMover
 
-__all__ = ["ChunkTransfer", "KVMover", "TorchMover"]
+__all__ = ["ChunkTransfer", "DeviceMover", "KVMover", "TorchMover"]

@@ -1,0 +1,643 @@
+"""`CudaMover`: the mover for CUDA KV caches: NVRTC copy kernels and DMA on its own streams.
+
+Owns, per device: a store stream and a higher-priority load stream (each with a DMA companion
+stream), a ring of GPU staging slots per direction, the events that order them, and a waiter
+thread that turns "the GPU finished" into an asyncio result. Per registered layout: each group's
+copy plan (vector width, byte strides, a device table of layer pointers). Three paths:
+
+- ``staging``: a kernel gathers a slice of a chunk (some layers of one group) into a GPU staging
+  slot, then one DMA moves the slot to pinned host memory; slices rotate through the ring so the
+  kernel of slice i+1 overlaps the DMA of slice i. Loads run the reverse. Kernels use a few SMs
+  for a small share of the transfer: the DMA is the bottleneck.
+- ``mapped``: the kernel reads or writes the pinned host chunk directly through its mapped
+  device address. No staging memory, but it occupies SMs for the whole PCIe transfer.
+- ``dma``: no kernels: one batched async copy (``cuMemcpyBatchAsync``) of the contiguous runs
+  of each chunk. No SMs; only fast when runs are long (NHD rows in contiguous blocks).
+
+``auto`` (the default) picks per layout: see `choose_path`. Ordering: a gather waits (on the GPU)
+for an event recorded on the caller's current stream; after a scatter the caller's current
+stream waits on the load's event. The mover holds references to every object until the GPU is
+done with it, so callers may be cancelled at any time. Enqueueing never awaits, so calls from
+concurrent tasks never interleave their use of the staging ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import dataclasses
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.errors import LayoutError, TieredKVError
+from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.kernels import COPY_WIDTHS, DeviceKernels, check_driver, load_kernels
+from tiered_kv.layout import KVCacheLayout, LayerGroup
+from tiered_kv.memory import HostArena, MemoryObj
+
+PATHS = ("staging", "mapped", "dma")
+MAX_JOBS = 32  # TKV_MAX_JOBS in cuda_src/tkv_copy.cu
+_PARAMS_HEAD = struct.Struct("<QQqqqiiiiii")  # TkvParams up to jobs[]
+_JOB = struct.Struct("<Qiiiiii")  # TkvJob
+_PARAMS_SIZE = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size
+_THREADS = 256
+# `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
+# below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
+DMA_MIN_RUN_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoverOptions:
+    """``path``: ``auto`` or one of `PATHS`. Staging uses ``staging_slots`` GPU buffers of
+    ``staging_slot_bytes`` per direction (grown to one layer's slab when that is larger) and
+    ``staging_ctas`` thread blocks per launch; ``mapped_ctas`` (0: two per SM) for the mapped
+    path, which needs many loads in flight to cover PCIe latency."""
+
+    path: str = "auto"
+    staging_slot_bytes: int = 8 << 20
+    staging_slots: int = 4
+    staging_ctas: int = 16
+    mapped_ctas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.path not in ("auto", *PATHS):
+            raise ValueError(
+                f"MoverOptions.path: expected 'auto' or one of {PATHS}, got {self.path!r}"
+            )
+        if self.staging_slots < 2:
+            raise ValueError(f"MoverOptions.staging_slots must be >= 2, got {self.staging_slots}")
+        if self.staging_slot_bytes < 4096:
+            raise ValueError(
+                f"MoverOptions.staging_slot_bytes must be >= 4096, got {self.staging_slot_bytes}"
+            )
+        if self.staging_ctas < 1 or self.mapped_ctas < 0:
+            raise ValueError(
+                f"MoverOptions: staging_ctas must be >= 1 and mapped_ctas >= 0, got "
+                f"{self.staging_ctas}, {self.mapped_ctas}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _GroupPlan:
+    """How to move one layer group: strides in bytes, vector width, device pointer table."""
+
+    group: LayerGroup
+    width: int
+    layer_ptrs: torch.Tensor  # int64 [L * K] on the device
+    block_stride: int
+    pos_stride: int
+    head_stride: int
+    head_bytes: int
+    row_bytes: int
+    num_heads: int
+    kv_count: int
+    num_layers: int
+
+    def slab_bytes(self, num_layers: int, num_tokens: int) -> int:
+        return num_layers * self.kv_count * num_tokens * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _LayoutPlan:
+    layout: KVCacheLayout  # keeps the layout (and its tensors) alive while the plan is cached
+    groups: tuple[_GroupPlan, ...]
+    path: str
+
+
+def copy_width(*values: int) -> int:
+    """The widest copy width in `COPY_WIDTHS` dividing every value (sizes, strides, addresses)."""
+    for width in COPY_WIDTHS:
+        if all(value % width == 0 for value in values):
+            return width
+    return 1
+
+
+def choose_path(layout: KVCacheLayout, requested: str = "auto") -> str:
+    """``auto``: DMA only when every group's rows are contiguous over a whole block (NHD-like), so
+    a chunk is a few long runs; otherwise staging, which reaches the DMA ceiling for any layout
+    while using few SMs. The mapped path is never the default: it competes with the model for
+    SMs for the whole transfer (bench/transfer.py measures the matmul slowdown)."""
+    if requested != "auto":
+        return requested
+    for group in layout.groups:
+        s = group.strides
+        item = group.host.dtype.itemsize
+        row = s.num_heads * s.head_size * item
+        block_run = s.block_size * row
+        contiguous = s.head_stride == s.head_size and s.pos_stride * item == row
+        if not contiguous or block_run < DMA_MIN_RUN_BYTES:
+            return "staging"
+    return "dma"
+
+
+class _Direction:
+    """One direction's streams (kernel + DMA), staging ring and its events."""
+
+    def __init__(self, device: torch.device, priority: int, slots: int) -> None:
+        self.kernel_stream = torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
+        self.dma_stream = torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
+        self.slots: list[torch.Tensor] = []
+        self.slot_bytes = 0
+        self.filled = [torch.cuda.Event() for _ in range(slots)]  # type: ignore[no-untyped-call]
+        self.freed = [torch.cuda.Event() for _ in range(slots)]  # type: ignore[no-untyped-call]
+        self.used = [False] * slots
+        self.next_slot = 0
+        self.device = device
+        self.slot_count = slots
+
+    def ensure_slots(self, nbytes: int) -> None:
+        """Staging slots of at least ``nbytes`` each; reallocating waits for the old ones' use."""
+        if nbytes <= self.slot_bytes:
+            return
+        if self.slots:
+            torch.cuda.synchronize(self.device)
+        self.slots = [
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            for _ in range(self.slot_count)
+        ]
+        self.slot_bytes = nbytes
+        self.used = [False] * self.slot_count
+
+
+class _DeviceState:
+    def __init__(self, device: torch.device, kernels: DeviceKernels, options: MoverOptions) -> None:
+        self.device = device
+        self.kernels = kernels
+        _, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
+        self.store = _Direction(device, 0, options.staging_slots)
+        self.load = _Direction(device, high, options.staging_slots)
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.host_delta: dict[int, int] = {}  # arena base → device address minus host address
+        self.plans: dict[int, _LayoutPlan] = {}
+
+
+class CudaMover(KVMover):
+    """Kernels and DMA for CUDA caches. One instance serves every device it is handed."""
+
+    name = "cuda"
+
+    def __init__(self, options: MoverOptions | None = None, *, waiters: int = 2) -> None:
+        self.options = options or MoverOptions()
+        self._devices: dict[int, _DeviceState] = {}
+        # Waiting for a blocking-sync event sleeps in the driver: no spinning core, no blocked loop.
+        self._waiter = concurrent.futures.ThreadPoolExecutor(waiters, thread_name_prefix="tkv-cuda")
+        self._counters: dict[str, int | float] = {
+            f"{direction}_{path}_{what}": 0
+            for direction in ("gather", "scatter")
+            for path in PATHS
+            for what in ("bytes", "calls")
+        }
+        self._counters.update(
+            bytes_gathered=0, bytes_scattered=0, gather_seconds=0.0, scatter_seconds=0.0
+        )
+
+    # -- public --------------------------------------------------------------------------------
+    def path_for(self, layout: KVCacheLayout) -> str:
+        return self._plan(self._state(layout.device), layout).path
+
+    async def gather(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> None:
+        await self._move("gather", layout, block_ids, transfers)
+
+    async def scatter(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> None:
+        await self._move("scatter", layout, block_ids, transfers)
+
+    def stats(self) -> dict[str, int | float]:
+        return dict(self._counters)
+
+    async def aclose(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._waiter.shutdown)
+        self._devices.clear()
+
+    # -- planning ----------------------------------------------------------------------------
+    def _state(self, device: torch.device) -> _DeviceState:
+        if device.type != "cuda":
+            raise LayoutError(f"CudaMover moves CUDA caches only; these live on {device}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        state = self._devices.get(index)
+        if state is None:
+            kernels = load_kernels(index)
+            state = _DeviceState(torch.device("cuda", index), kernels, self.options)
+            self._devices[index] = state
+        return state
+
+    def _plan(self, state: _DeviceState, layout: KVCacheLayout) -> _LayoutPlan:
+        plan = state.plans.get(id(layout))
+        if plan is not None and plan.layout is layout:
+            return plan
+        groups = []
+        for group in layout.groups:
+            s = group.strides
+            item = group.host.dtype.itemsize
+            ptrs = [p for layer in group.kv_pointers() for p in layer]
+            head_bytes = s.head_size * item
+            strides = (s.block_stride * item, s.pos_stride * item, s.head_stride * item)
+            groups.append(
+                _GroupPlan(
+                    group=group,
+                    width=copy_width(head_bytes, *strides, *ptrs),
+                    layer_ptrs=torch.tensor(ptrs, dtype=torch.int64, device=state.device),
+                    block_stride=strides[0],
+                    pos_stride=strides[1],
+                    head_stride=strides[2],
+                    head_bytes=head_bytes,
+                    row_bytes=group.host.row_bytes,
+                    num_heads=s.num_heads,
+                    kv_count=group.host.kv_count,
+                    num_layers=group.host.num_layers,
+                )
+            )
+        plan = _LayoutPlan(layout, tuple(groups), choose_path(layout, self.options.path))
+        state.plans[id(layout)] = plan
+        return plan
+
+    def _device_address(self, state: _DeviceState, arena: HostArena) -> int:
+        """Mapped device address of the arena's first byte (equal to it under UVA)."""
+        delta = state.host_delta.get(arena.base_ptr)
+        if delta is None:
+            if not arena.pinned:
+                raise TieredKVError(
+                    "CudaMover: the mapped path needs a pinned host arena (EngineConfig.pin_memory)"
+                )
+            from cuda.bindings import driver
+
+            dptr = check_driver(
+                driver.cuMemHostGetDevicePointer(arena.base_ptr, 0), "cuMemHostGetDevicePointer"
+            )
+            delta = int(dptr) - arena.base_ptr
+            state.host_delta[arena.base_ptr] = delta
+        return arena.base_ptr + delta
+
+    # -- one call ------------------------------------------------------------------------------
+    async def _move(
+        self,
+        direction: str,
+        layout: KVCacheLayout,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+    ) -> None:
+        if not transfers:
+            return
+        start = time.perf_counter()
+        state = self._state(layout.device)
+        plan = self._plan(state, layout)
+        to_host = direction == "gather"
+        side = state.store if to_host else state.load
+        caller = torch.cuda.current_stream(state.device)
+        state.kernels.make_current()
+        held = [t.obj.ref() for t in transfers]
+        try:
+            done = self._enqueue(state, plan, side, caller, to_host, block_ids, transfers)
+        except BaseException:
+            for obj in held:
+                obj.unref()
+            raise
+        if not to_host:
+            caller.wait_event(done)  # the engine's next kernels see the loaded KV
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._waiter, done.synchronize)
+
+        def release(finished: asyncio.Future[None]) -> None:
+            for obj in held:
+                obj.unref()
+            if not finished.cancelled():
+                finished.exception()  # retrieved: the awaiting task may be gone
+
+        future.add_done_callback(release)
+        # Shielded: a cancelled caller must not release the objects while the GPU uses them.
+        await asyncio.shield(future)
+        moved = sum(_moved_bytes(t, to_host) for t in transfers)
+        self._counters[f"{direction}_{plan.path}_bytes"] += moved
+        self._counters[f"{direction}_{plan.path}_calls"] += 1
+        self._counters[f"{direction}_seconds"] += time.perf_counter() - start
+        self._counters["bytes_gathered" if to_host else "bytes_scattered"] += moved
+
+    def _enqueue(
+        self,
+        state: _DeviceState,
+        plan: _LayoutPlan,
+        side: _Direction,
+        caller: torch.cuda.Stream,
+        to_host: bool,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+    ) -> torch.cuda.Event:
+        """Queue the whole call on the GPU (no awaits: atomic w.r.t. other tasks); returns the
+        event that completes it."""
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(caller)
+        # Whatever first touches the paged cache waits for the caller's queued work: the kernels,
+        # or the copies on the DMA-only path. (Staging DMAs are ordered through the slot events.)
+        (side.dma_stream if plan.path == "dma" else side.kernel_stream).wait_event(ready)
+        done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        if plan.path == "dma":
+            self._enqueue_dma(state, plan, side, to_host, block_ids, transfers)
+            done.record(side.dma_stream)
+            return done
+        with torch.cuda.stream(side.kernel_stream):
+            ids = torch.tensor(block_ids, dtype=torch.int32).pin_memory()
+            device_ids = ids.to(state.device, non_blocking=True)
+        if plan.path == "mapped":
+            self._enqueue_mapped(state, plan, side, to_host, device_ids, transfers)
+            done.record(side.kernel_stream)
+        else:
+            self._enqueue_staging(state, plan, side, to_host, device_ids, transfers)
+            # Gathers end with a DMA, scatters with a kernel; each waited for the other.
+            done.record(side.dma_stream if to_host else side.kernel_stream)
+        return done
+
+    # -- paths ---------------------------------------------------------------------------------
+    def _launch(
+        self,
+        state: _DeviceState,
+        group: _GroupPlan,
+        stream: torch.cuda.Stream,
+        to_host: bool,
+        block_size: int,
+        device_ids: torch.Tensor,
+        jobs: Sequence[tuple[int, int, int, int, int, int]],
+        ctas: int,
+    ) -> None:
+        """One launch of the copy kernel over up to `MAX_JOBS` jobs of one group."""
+        from cuda.bindings import driver
+
+        params = ctypes.create_string_buffer(_PARAMS_SIZE)
+        _PARAMS_HEAD.pack_into(
+            params,
+            0,
+            group.layer_ptrs.data_ptr(),
+            device_ids.data_ptr(),
+            group.block_stride,
+            group.pos_stride,
+            group.head_stride,
+            group.kv_count,
+            group.num_heads,
+            group.head_bytes,
+            block_size,
+            len(jobs),
+            0,
+        )
+        max_rows = 1
+        for i, (host, token_start, t_begin, num_tokens, l0, l1) in enumerate(jobs):
+            _JOB.pack_into(
+                params,
+                _PARAMS_HEAD.size + i * _JOB.size,
+                host,
+                token_start,
+                t_begin,
+                num_tokens,
+                l0,
+                l1,
+                0,
+            )
+            max_rows = max(max_rows, (l1 - l0) * group.kv_count * (num_tokens - t_begin))
+        warps = _THREADS // 32
+        grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_rows // warps)))
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        function = state.kernels.function("gather" if to_host else "scatter", group.width)
+        check_driver(
+            driver.cuLaunchKernel(
+                function,
+                grid_x,
+                len(jobs),
+                1,
+                _THREADS,
+                1,
+                1,
+                0,
+                driver.CUstream(stream.cuda_stream),
+                ctypes.addressof(args),
+                0,
+            ),
+            "cuLaunchKernel(tkv copy)",
+        )
+
+    def _enqueue_mapped(
+        self,
+        state: _DeviceState,
+        plan: _LayoutPlan,
+        side: _Direction,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        transfers: Sequence[ChunkTransfer],
+    ) -> None:
+        ctas = self.options.mapped_ctas or 2 * state.sm_count
+        block_size = plan.layout.block_size
+        for group in plan.groups:
+            jobs = []
+            for transfer in transfers:
+                obj = transfer.obj
+                host = self._device_address(state, obj.arena) + _group_offset(obj, group)
+                t_begin = 0 if to_host else transfer.skip_tokens
+                jobs.append(
+                    (host, transfer.token_start, t_begin, obj.num_tokens, 0, group.num_layers)
+                )
+            for batch in _batches(jobs, MAX_JOBS):
+                self._launch(
+                    state, group, side.kernel_stream, to_host, block_size, device_ids, batch, ctas
+                )
+
+    def _enqueue_staging(
+        self,
+        state: _DeviceState,
+        plan: _LayoutPlan,
+        side: _Direction,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        transfers: Sequence[ChunkTransfer],
+    ) -> None:
+        from cuda.bindings import driver
+
+        block_size = plan.layout.block_size
+        ctas = self.options.staging_ctas
+        largest_layer = max(
+            g.slab_bytes(1, t.obj.num_tokens) for g in plan.groups for t in transfers
+        )
+        side.ensure_slots(max(self.options.staging_slot_bytes, largest_layer))
+        dma_stream = driver.CUstream(side.dma_stream.cuda_stream)
+        for group, pieces in _slot_fills(plan, transfers, side.slot_bytes):
+            slot = side.next_slot
+            side.next_slot = (slot + 1) % side.slot_count
+            base = side.slots[slot].data_ptr()
+            jobs = []
+            copies = []  # (host address, slot address, bytes)
+            offset = 0
+            for transfer, l0, l1 in pieces:
+                obj = transfer.obj
+                nbytes = group.slab_bytes(l1 - l0, obj.num_tokens)
+                host = obj.arena.base_ptr + obj.offset + _group_offset(obj, group)
+                host += group.slab_bytes(l0, obj.num_tokens)
+                t_begin = 0 if to_host else transfer.skip_tokens
+                # The job's slab starts at layer l0 inside the slot.
+                jobs.append((base + offset, transfer.token_start, t_begin, obj.num_tokens, l0, l1))
+                copies.append((host, base + offset, nbytes))
+                offset += nbytes
+            if to_host:
+                if side.used[slot]:
+                    side.kernel_stream.wait_event(side.freed[slot])
+                self._launch(
+                    state, group, side.kernel_stream, True, block_size, device_ids, jobs, ctas
+                )
+                side.filled[slot].record(side.kernel_stream)
+                side.dma_stream.wait_event(side.filled[slot])
+                for host, dev, nbytes in copies:
+                    check_driver(
+                        driver.cuMemcpyAsync(host, dev, nbytes, dma_stream), "cuMemcpyAsync"
+                    )
+                side.freed[slot].record(side.dma_stream)
+            else:
+                if side.used[slot]:
+                    side.dma_stream.wait_event(side.freed[slot])
+                for host, dev, nbytes in copies:
+                    check_driver(
+                        driver.cuMemcpyAsync(dev, host, nbytes, dma_stream), "cuMemcpyAsync"
+                    )
+                side.filled[slot].record(side.dma_stream)
+                side.kernel_stream.wait_event(side.filled[slot])
+                self._launch(
+                    state, group, side.kernel_stream, False, block_size, device_ids, jobs, ctas
+                )
+                side.freed[slot].record(side.kernel_stream)
+            side.used[slot] = True
+
+    def _enqueue_dma(
+        self,
+        state: _DeviceState,
+        plan: _LayoutPlan,
+        side: _Direction,
+        to_host: bool,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+    ) -> None:
+        from cuda.bindings import driver
+
+        dsts: list[Any] = []
+        srcs: list[Any] = []
+        sizes: list[int] = []
+        for transfer in transfers:
+            obj = transfer.obj
+            host_base = obj.arena.base_ptr + obj.offset
+            t_begin = 0 if to_host else transfer.skip_tokens
+            for group in plan.groups:
+                runs = _runs(group, plan.layout.block_size, block_ids, transfer, t_begin)
+                slab = group.slab_bytes(1, obj.num_tokens) // group.kv_count
+                host_group = host_base + _group_offset(obj, group)
+                ptrs = group.group.kv_pointers()
+                for layer in range(group.num_layers):
+                    for k in range(group.kv_count):
+                        paged = ptrs[layer][k]
+                        host = host_group + (layer * group.kv_count + k) * slab
+                        for paged_off, host_off, nbytes in runs:
+                            src, dst = paged + paged_off, host + host_off
+                            if not to_host:
+                                src, dst = dst, src
+                            dsts.append(driver.CUdeviceptr(dst))
+                            srcs.append(driver.CUdeviceptr(src))
+                            sizes.append(nbytes)
+        if not sizes:
+            return
+        attrs = driver.CUmemcpyAttributes()
+        attrs.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attrs.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        stream = driver.CUstream(side.dma_stream.cuda_stream)
+        check_driver(
+            driver.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream),
+            "cuMemcpyBatchAsync",
+        )
+
+
+def _moved_bytes(transfer: ChunkTransfer, to_host: bool) -> int:
+    obj = transfer.obj
+    if to_host or not transfer.skip_tokens:
+        return obj.nbytes
+    return obj.nbytes * (obj.num_tokens - transfer.skip_tokens) // obj.num_tokens
+
+
+def _group_offset(obj: MemoryObj, group: _GroupPlan) -> int:
+    return obj.layout.group_offsets(obj.num_tokens)[group.group.index]
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _slot_fills(
+    plan: _LayoutPlan, transfers: Sequence[ChunkTransfer], slot_bytes: int
+) -> Iterator[tuple[_GroupPlan, list[tuple[ChunkTransfer, int, int]]]]:
+    """Pack (chunk, layer range) pieces of one group at a time into staging slots: each fill is
+    at most ``slot_bytes`` and `MAX_JOBS` pieces, and becomes one launch plus its DMAs."""
+    for group in plan.groups:
+        fill: list[tuple[ChunkTransfer, int, int]] = []
+        used = 0
+        for transfer in transfers:
+            per_layer = group.slab_bytes(1, transfer.obj.num_tokens)
+            layer = 0
+            while layer < group.num_layers:
+                room = (slot_bytes - used) // per_layer
+                if room == 0 or len(fill) == MAX_JOBS:
+                    yield group, fill
+                    fill, used = [], 0
+                    continue
+                end = min(group.num_layers, layer + room)
+                fill.append((transfer, layer, end))
+                used += (end - layer) * per_layer
+                layer = end
+        if fill:
+            yield group, fill
+
+
+def _runs(
+    group: _GroupPlan,
+    block_size: int,
+    block_ids: Sequence[int],
+    transfer: ChunkTransfer,
+    t_begin: int,
+) -> list[tuple[int, int, int]]:
+    """Maximal (paged offset, host offset, bytes) runs contiguous on both sides, for one
+    (layer, K/V) of one chunk; the same for every layer of the group. Walks block segments, so
+    NHD costs one step per block, not per token."""
+    head_bytes, row = group.head_bytes, group.row_bytes
+    rows_contiguous = group.head_stride == head_bytes
+    tokens_contiguous = rows_contiguous and group.pos_stride == row
+    runs: list[list[int]] = []
+
+    def add(paged: int, host: int, nbytes: int) -> None:
+        if runs:
+            last = runs[-1]
+            if last[0] + last[2] == paged and last[1] + last[2] == host:
+                last[2] += nbytes
+                return
+        runs.append([paged, host, nbytes])
+
+    t = t_begin
+    end = transfer.obj.num_tokens
+    while t < end:
+        pos = transfer.token_start + t
+        in_block = pos % block_size
+        count = min(block_size - in_block, end - t)
+        base = int(block_ids[pos // block_size]) * group.block_stride
+        if tokens_contiguous:
+            add(base + in_block * group.pos_stride, t * row, count * row)
+        else:
+            for i in range(count):
+                paged = base + (in_block + i) * group.pos_stride
+                if rows_contiguous:
+                    add(paged, (t + i) * row, row)
+                else:
+                    for h in range(group.num_heads):
+                        add(
+                            paged + h * group.head_stride,
+                            (t + i) * row + h * head_bytes,
+                            head_bytes,
+                        )
+        t += count
+    return [(run[0], run[1], run[2]) for run in runs]
