@@ -14,7 +14,6 @@ from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout
 
-
 COMMON_STATS = ("bytes_gathered", "bytes_scattered", "gather_seconds", "scatter_seconds")
 
 

@@ -167,7 +167,7 @@ class KernelCache:
         path = self.path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except OSError:  # absent, or an unusable cache directory: compile instead
             self.misses += 1
             return None
         payload = _unpack_entry(data)

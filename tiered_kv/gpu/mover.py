@@ -580,6 +580,8 @@ def _slot_fills(
         used = 0
         for transfer in transfers:
             per_layer = group.slab_bytes(1, transfer.obj.num_tokens)
+            if per_layer > slot_bytes:
+                raise ValueError(f"staging slot of {slot_bytes} bytes < one layer's {per_layer}")
             layer = 0
             while layer < group.num_layers:
                 room = (slot_bytes - used) // per_layer

@@ -1,0 +1,279 @@
+"""NVRTC compilation and the cubin cache (CPU: NVRTC needs no GPU), and the mover's planning."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+from tests.kvfactory import FORMATS, make_caches
+from tiered_kv.errors import KernelCompileError
+from tiered_kv.gpu import kernels
+from tiered_kv.gpu.base import ChunkTransfer
+from tiered_kv.gpu.mover import (
+    MAX_JOBS,
+    MoverOptions,
+    _GroupPlan,
+    _LayoutPlan,
+    _runs,
+    _slot_fills,
+    choose_path,
+    copy_width,
+)
+from tiered_kv.layout import KVCacheLayout, build_layout
+from tiered_kv.memory import HostArena
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cubins() -> dict[str, bytes]:
+    source = kernels.kernel_source()
+    return {
+        arch: kernels.compile_cubin(source, kernels.CompileOptions(arch))
+        for arch in kernels.CI_ARCHS
+    }
+
+
+@pytest.mark.parametrize("arch", kernels.CI_ARCHS)
+def test_every_instantiation_compiles_for_ci_archs(cubins: dict[str, bytes], arch: str) -> None:
+    cubin = cubins[arch]
+    assert cubin[:4] == b"\x7fELF"
+    for name in kernels.KERNEL_NAMES:
+        assert name.encode() + b"\x00" in cubin, f"{name} missing from the {arch} cubin"
+
+
+def test_kernel_names_match_the_source_instantiations() -> None:
+    source = kernels.kernel_source()
+    widths = {int(w) for w in re.findall(r"^TKV_INSTANTIATE\((\d+),", source, re.M)}
+    assert widths == set(kernels.COPY_WIDTHS)
+    assert f"#define TKV_MAX_JOBS {MAX_JOBS}" in source
+
+
+def test_compile_error_carries_the_nvrtc_log() -> None:
+    bad = 'extern "C" __global__ void broken() { this_is_not_declared = 1; }'
+    with pytest.raises(KernelCompileError) as info:
+        kernels.compile_cubin(bad, kernels.CompileOptions("sm_90"), name="broken.cu")
+    assert "this_is_not_declared" in info.value.log
+    assert "broken.cu" in info.value.log
+    assert "sm_90" in str(info.value)
+
+
+def test_compile_options_validate() -> None:
+    with pytest.raises(ValueError, match="sm_<NN>"):
+        kernels.CompileOptions("compute_90")
+    with pytest.raises(ValueError, match="c\\+\\+17"):
+        kernels.CompileOptions("sm_90", std="c++03")
+
+
+class _CountingCompile:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, source: str, options: kernels.CompileOptions) -> bytes:
+        self.calls += 1
+        return b"\x7fELF-fake-cubin-" + options.arch.encode() + source[:16].encode()
+
+
+def test_cache_miss_then_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compile_ = _CountingCompile()
+    monkeypatch.setattr(kernels, "compile_cubin", compile_)
+    cache = kernels.KernelCache(tmp_path / "k")
+    options = kernels.CompileOptions("sm_90")
+    first = cache.get_or_compile("source-a", options)
+    assert compile_.calls == 1 and cache.misses == 1
+    again = kernels.KernelCache(tmp_path / "k").get_or_compile("source-a", options)
+    assert again == first and compile_.calls == 1  # a new process reads the entry
+    assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".cubin"]  # no temp files left
+
+
+def test_cache_key_covers_source_options_arch_and_nvrtc_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compile_ = _CountingCompile()
+    monkeypatch.setattr(kernels, "compile_cubin", compile_)
+    cache = kernels.KernelCache(tmp_path)
+    cache.get_or_compile("src", kernels.CompileOptions("sm_90"))
+    cache.get_or_compile("src", kernels.CompileOptions("sm_80"))
+    cache.get_or_compile("src2", kernels.CompileOptions("sm_90"))
+    cache.get_or_compile("src", kernels.CompileOptions("sm_90", extra=()))
+    assert compile_.calls == 4
+    cache.get_or_compile("src", kernels.CompileOptions("sm_90"))
+    assert compile_.calls == 4
+    major, minor = kernels.nvrtc_version()
+    monkeypatch.setattr(kernels, "nvrtc_version", lambda: (major, minor + 1))
+    cache.get_or_compile("src", kernels.CompileOptions("sm_90"))
+    assert compile_.calls == 5  # a new NVRTC never reuses an old cubin
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "schema"])
+def test_corrupt_entry_is_removed_and_recompiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    compile_ = _CountingCompile()
+    monkeypatch.setattr(kernels, "compile_cubin", compile_)
+    cache = kernels.KernelCache(tmp_path)
+    options = kernels.CompileOptions("sm_90")
+    good = cache.get_or_compile("src", options)
+    (entry,) = tmp_path.iterdir()
+    data = bytearray(entry.read_bytes())
+    if damage == "flip":
+        data[-1] ^= 0x40
+    elif damage == "truncate":
+        data = data[:-3]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data[8] ^= 0xFF  # schema field
+    entry.write_bytes(bytes(data))
+    assert cache.get_or_compile("src", options) == good
+    assert compile_.calls == 2 and cache.corrupt == 1
+    assert kernels.KernelCache(tmp_path).get_or_compile("src", options) == good
+    assert compile_.calls == 2  # the rewritten entry is whole again
+
+
+def test_unwritable_cache_dir_still_compiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compile_ = _CountingCompile()
+    monkeypatch.setattr(kernels, "compile_cubin", compile_)
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    cache = kernels.KernelCache(blocker / "kernels")
+    assert cache.get_or_compile("src", kernels.CompileOptions("sm_90")).startswith(b"\x7fELF")
+
+
+def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERED_KV_KERNEL_CACHE", str(tmp_path / "kc"))
+    assert kernels.default_cache_dir() == tmp_path / "kc"
+    monkeypatch.delenv("TIERED_KV_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernels.default_cache_dir() == tmp_path / "xdg" / "tiered_kv" / "kernels"
+
+
+def test_every_package_is_listed_in_pyproject() -> None:
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "tiered_kv").rglob("__init__.py")
+    }
+    assert found | {"tiered_kv.cuda_src"} == listed
+    assert (ROOT / "cuda_src" / kernels.SOURCE_NAME).read_text() == kernels.kernel_source()
+
+
+# -- planning (CPU layouts; the byte movement itself is tested on the GPU) ---------------------
+def test_copy_width_is_the_widest_that_divides_everything() -> None:
+    assert copy_width(256, 4096, 256) == 16
+    assert copy_width(132, 132 * 16) == 4
+    assert copy_width(256, 8) == 8
+    assert copy_width(6) == 2
+    assert copy_width(9) == 1
+
+
+def _layout(
+    fmt: str, dtype: torch.dtype = torch.bfloat16, **kw: int
+) -> tuple[KVCacheLayout, object]:
+    caches = make_caches(fmt, dtype, **kw)
+    return build_layout(caches.entries, chunk_size=32, layout_hints=caches.hints), caches
+
+
+def _plan(layout: KVCacheLayout) -> _LayoutPlan:
+    groups = []
+    for group in layout.groups:
+        s = group.strides
+        item = group.host.dtype.itemsize
+        groups.append(
+            _GroupPlan(
+                group=group,
+                width=1,
+                layer_ptrs=torch.empty(0),
+                block_stride=s.block_stride * item,
+                pos_stride=s.pos_stride * item,
+                head_stride=s.head_stride * item,
+                head_bytes=s.head_size * item,
+                row_bytes=group.host.row_bytes,
+                num_heads=s.num_heads,
+                kv_count=group.host.kv_count,
+                num_layers=group.host.num_layers,
+            )
+        )
+    return _LayoutPlan(layout, tuple(groups), "staging")
+
+
+def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:
+    small, _ = _layout("vllm_nhd")
+    assert choose_path(small) == "staging"  # 16 tokens x 32 bytes: runs far too short
+    big, _ = _layout("vllm_nhd", num_heads=8, head_size=256, block_size=32, num_layers=1)
+    assert choose_path(big) == "dma"  # 32 x 4 KiB contiguous per block
+    hnd, _ = _layout("vllm_hnd_view", num_heads=8, head_size=256, block_size=32, num_layers=1)
+    assert choose_path(hnd) == "staging"
+    assert choose_path(hnd, "mapped") == "mapped"
+    with pytest.raises(ValueError, match="path"):
+        MoverOptions(path="fastest")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("skip", [0, 5, 16])
+def test_dma_runs_cover_exactly_the_rows(fmt: str, skip: int) -> None:
+    layout, _ = _layout(fmt, num_blocks=12)
+    plan = _plan(layout)
+    arena = HostArena(1 << 20, pin=False)
+    obj = arena.allocate_obj(layout.layout_desc, 27)  # partial chunk
+    assert obj is not None
+    block_ids = [7, 8, 3, 11, 0]  # 7, 8 consecutive: their runs may merge
+    transfer = ChunkTransfer(obj, token_start=32, skip_tokens=skip)
+    try:
+        for group in plan.groups:
+            runs = _runs(group, layout.block_size, block_ids, transfer, skip)
+            expected: dict[int, int] = {}  # host byte offset → paged byte offset, byte by byte
+            for t in range(skip, obj.num_tokens):
+                pos = 32 + t
+                paged_row = (
+                    block_ids[pos // 16] * group.block_stride + (pos % 16) * group.pos_stride
+                )
+                for h in range(group.num_heads):
+                    for b in range(group.head_bytes):
+                        host = t * group.row_bytes + h * group.head_bytes + b
+                        expected[host] = paged_row + h * group.head_stride + b
+            got: dict[int, int] = {}
+            for paged, host, nbytes in runs:
+                for b in range(nbytes):
+                    assert host + b not in got, "overlapping runs"
+                    got[host + b] = paged + b
+            assert got == expected
+            if group.head_stride == group.head_bytes and group.pos_stride == group.row_bytes:
+                # one run per block segment at most, fewer where blocks are adjacent
+                assert len(runs) <= math.ceil((obj.num_tokens - skip) / 16) + 1
+    finally:
+        obj.unref()
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("slot_kib", [2, 5, 64])
+def test_staging_fills_cover_every_layer_once_within_a_slot(slot_kib: int) -> None:
+    layout, _ = _layout("vllm_nhd", num_layers=5)
+    plan = _plan(layout)
+    arena = HostArena(4 << 20, pin=False)
+    objs = [arena.allocate_obj(layout.layout_desc, n) for n in [32] * 40 + [7]]
+    transfers = [ChunkTransfer(o, 32 * i) for i, o in enumerate(objs) if o is not None]
+    slot = slot_kib * 1024
+    try:
+        seen: dict[int, list[int]] = {id(t): [] for t in transfers}
+        for group, fill in _slot_fills(plan, transfers, slot):
+            assert 1 <= len(fill) <= MAX_JOBS
+            assert sum(group.slab_bytes(l1 - l0, t.obj.num_tokens) for t, l0, l1 in fill) <= slot
+            for transfer, l0, l1 in fill:
+                seen[id(transfer)].extend(range(l0, l1))
+        assert all(layers == list(range(5)) for layers in seen.values())
+        with pytest.raises(ValueError, match="one layer"):
+            list(_slot_fills(plan, transfers, 1024))
+    finally:
+        for t in transfers:
+            t.obj.unref()
+        assert arena.close() == 0
