@@ -194,8 +194,9 @@ async def test_lower_tier_failures_are_misses_not_errors() -> None:
         assert engine.stats()["arena"]["used"] == 0
 
 
-async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error() -> None:
-    # 32-token chunks of 2 layers x 2 x 8 x 128 bf16 are 256 KiB; L1 holds two of them.
+async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None:
+    # 32-token chunks of 2 layers x 2 x 8 x 128 bf16 are 256 KiB; L1 holds two of them, and the
+    # prefix is four: retrieve must release each delivered batch before loading the next chunk.
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
     tier = MemoryTier()
     src, dst = list(range(7)), list(range(8, 15))
@@ -212,10 +213,46 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         reference = caches.snapshot()
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        got = await engine.retrieve(TOKENS, dst)
-        assert got == 64  # two chunks fit; the third could not be staged
+        result = await engine.retrieve_detailed(TOKENS, dst)
+        assert (result.valid_tokens, result.stop_reason) == (100, "complete")
+        stats = engine.stats()
+        assert stats["prefetch"]["stopped_budget"] >= 1  # lookup reserved only half of L1
+        assert stats["engine"]["retrieve_scatter_batches"] >= 3
+        expect_copy(caches, expected, reference, src, dst, range(100), 16)
+        assert caches.bytes_equal(expected)
+        await engine.evict_l1()
+        assert engine.stats()["arena"]["used"] == 0
+
+
+async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
+    tier = MemoryTier()
+    src, dst = list(range(7)), list(range(8, 15))
+    async with TieredKVEngine(_config(l1_size="640KiB"), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        for end in (32, 64, 96, 100):
+            await engine.store(TOKENS[:end], src)
+            await engine.flush()
+        await engine.evict_l1()
+        assert engine._arena is not None
+        held = engine._arena.allocate(384 * 1024)  # someone else's 384 KiB: one chunk fits
+        assert held is not None
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        # Only one chunk fits at a time, but each batch is scattered and released before the
+        # next load, so all four arrive.
+        assert await engine.retrieve(TOKENS, dst) == 100
+        await engine.evict_l1()
+        held2 = engine._arena.allocate(256 * 1024)  # now less than a chunk is free
+        assert held2 is not None
+        poison_blocks(caches, dst)
+        result = await engine.retrieve_detailed(TOKENS, dst)
+        assert (result.valid_tokens, result.cached_tokens) == (0, 100)
+        assert result.stop_reason == "no_space" and result.recompute_tokens == 100
         assert engine.stats()["storage"]["promotion_failures"] >= 1
-        expect_copy(caches, expected, reference, src, dst, range(64), 16)
-        assert caches.bytes_equal(expected)  # delivered prefix exact, the rest untouched
+        assert caches.bytes_equal(expected)  # nothing delivered, nothing written
+        engine._arena.free(held)
+        engine._arena.free(held2)
         await engine.evict_l1()
         assert engine.stats()["arena"]["used"] == 0

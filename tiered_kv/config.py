@@ -9,6 +9,7 @@ import dataclasses
 import decimal
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,22 @@ _SIZE_UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+_INT_FIELDS = (
+    "chunk_size",
+    "l2_write_queue",
+    "prefetch_concurrency",
+    "prefetch_max_pending",
+    "retrieve_batch_chunks",
+    "selective_min_hits",
+)
+_FLOAT_FIELDS = (
+    "close_timeout_s",
+    "prefetch_timeout_base_s",
+    "prefetch_timeout_per_1k_tokens_s",
+    "prefetch_l1_fraction",
+)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -70,7 +87,15 @@ class EngineConfig:
     l1_size: bytes of the host arena (pinned when CUDA is available, see ``pin_memory``).
     l2_path: directory of the disk tier; None disables it.
     l2_size: capacity of the disk tier in bytes (LRU beyond it).
-    l3_url: remote tier URL; None disables it (remote tiers arrive with a later release).
+    l3_url: remote tier URL; None disables it. ``tkv://host:port`` (``tiered-kv serve``),
+        ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, or a Cluster form
+        (``redis+cluster://host:port``, ``valkey+cluster://...``).
+    l3_timeout_s: bound on every remote request; beyond it the request is a miss / skipped store.
+    l3_token_file: file holding the shared token of a ``tkv://`` server (for Redis: the password
+        when the URL has none).
+    l3_key_prefix: first part of Redis key names (``<prefix>:<namespace>:<chunk>``).
+    l3_ttl_s: Redis expiry of stored chunks in seconds; None keeps them until evicted.
+    l3_pool_size: connections per remote store.
     namespace: tenant / cache salt; two namespaces never share a chunk.
     fingerprint: model weights / version tag; part of every key.
     l2_write_queue: chunks that may wait for their background L2 write; beyond it a store
@@ -78,6 +103,22 @@ class EngineConfig:
     close_timeout_s: how long ``aclose()`` waits for pending L2 writes before dropping them.
     pin_memory: pin the arena; None means "when CUDA is available".
     l2_fsync: fsync each L2 file and its directory before it becomes visible (crash safety).
+    prefetch: lookup starts loading the L2/L3 part of the hit prefix into L1 (a prefetch).
+    prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
+        in L1 now), "wait_complete" (wait for every load), "timeout" (wait at most
+        ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_1k_tokens_s`` per 1000 tokens
+        still loading). Chunks not ready are reported; the serving engine recomputes them.
+    prefetch_concurrency: loads in flight per lower tier.
+    prefetch_l1_fraction: share of L1 that prefetch reservations may hold, in (0, 1].
+    prefetch_max_pending: prefetches started by lookup and not yet consumed by retrieve; beyond
+        it the oldest is cancelled (a lookup whose request never reaches retrieve).
+    retrieve_batch_chunks: chunks per scatter in retrieve; each batch's L1 references are
+        dropped before the next loads, so a prefix larger than L1 can still be delivered.
+    write_policy: how every lower tier is written unless ``write_policies`` names it:
+        "write_through", "write_back" (on L1 eviction) or "selective" (after
+        ``selective_min_hits`` hits).
+    write_policies: per-tier overrides, e.g. "L2=write_back,L3=selective".
+    selective_min_hits: hits a chunk needs before a "selective" tier stores it.
     """
 
     chunk_size: int = 256
@@ -85,12 +126,28 @@ class EngineConfig:
     l2_path: str | None = None
     l2_size: int | str = "16GiB"
     l3_url: str | None = None
+    l3_timeout_s: float = 5.0
+    l3_token_file: str | None = None
+    l3_key_prefix: str = "tkv"
+    l3_ttl_s: float | None = None
+    l3_pool_size: int = 4
     namespace: str = ""
     fingerprint: str = ""
     l2_write_queue: int = 256
     close_timeout_s: float = 30.0
     pin_memory: bool | None = None
     l2_fsync: bool = True
+    prefetch: bool = True
+    prefetch_policy: str = "wait_complete"
+    prefetch_timeout_base_s: float = 0.005
+    prefetch_timeout_per_1k_tokens_s: float = 0.002
+    prefetch_concurrency: int = 8
+    prefetch_l1_fraction: float = 0.5
+    prefetch_max_pending: int = 256
+    retrieve_batch_chunks: int = 16
+    write_policy: str = "write_through"
+    write_policies: str = ""
+    selective_min_hits: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
@@ -104,10 +161,8 @@ class EngineConfig:
         if self.l2_path is not None:
             object.__setattr__(self, "l2_path", os.fspath(self.l2_path))
         if self.l3_url is not None:
-            raise ConfigError(
-                f"l3_url: remote tiers are not available in this release (got {self.l3_url!r}); "
-                "leave it None"
-            )
+            _check_l3_url(self.l3_url)
+        self._check_l3_options()
         for name in ("namespace", "fingerprint"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}: expected str, got {getattr(self, name)!r}")
@@ -117,6 +172,80 @@ class EngineConfig:
             raise ConfigError(f"l2_write_queue: must be >= 1, got {self.l2_write_queue}")
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s: must be >= 0, got {self.close_timeout_s}")
+        self._validate_policies()
+
+    def _validate_policies(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ConfigError(
+                f"prefetch_policy: expected one of {PREFETCH_POLICIES}, "
+                f"got {self.prefetch_policy!r}"
+            )
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{name}: expected a number >= 0, got {value!r}")
+        for name in (
+            "prefetch_concurrency",
+            "prefetch_max_pending",
+            "retrieve_batch_chunks",
+            "selective_min_hits",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: expected an int >= 1, got {value!r}")
+        fraction = self.prefetch_l1_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ConfigError(f"prefetch_l1_fraction: expected a number, got {fraction!r}")
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"prefetch_l1_fraction: must be in (0, 1], got {fraction}")
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"prefetch: expected bool, got {self.prefetch!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}"
+            )
+        self.tier_write_policies()  # raises on a malformed override
+
+    def tier_write_policies(self) -> dict[str, str]:
+        """``write_policies`` parsed: tier name (upper case) -> policy."""
+        if not isinstance(self.write_policies, str):
+            raise ConfigError(f"write_policies: expected str, got {self.write_policies!r}")
+        out: dict[str, str] = {}
+        for item in self.write_policies.split(","):
+            if not item.strip():
+                continue
+            tier, sep, policy = item.partition("=")
+            tier, policy = tier.strip().upper(), policy.strip()
+            if not sep or not tier or policy not in WRITE_POLICIES:
+                raise ConfigError(
+                    f"write_policies: expected 'TIER=POLICY[,...]' with POLICY one of "
+                    f"{WRITE_POLICIES}, got {item.strip()!r}"
+                )
+            out[tier] = policy
+        return out
+
+    def write_policy_for(self, tier_name: str) -> str:
+        return self.tier_write_policies().get(tier_name.upper(), self.write_policy)
+
+    def _check_l3_options(self) -> None:
+        if isinstance(self.l3_timeout_s, bool) or not isinstance(self.l3_timeout_s, int | float):
+            raise ConfigError(f"l3_timeout_s: expected a number, got {self.l3_timeout_s!r}")
+        if not 0 < self.l3_timeout_s <= 3600:
+            raise ConfigError(f"l3_timeout_s: must be in (0, 3600], got {self.l3_timeout_s}")
+        if self.l3_token_file is not None:
+            object.__setattr__(self, "l3_token_file", os.fspath(self.l3_token_file))
+        if not isinstance(self.l3_key_prefix, str) or not self.l3_key_prefix:
+            raise ConfigError(
+                f"l3_key_prefix: expected a non-empty str, got {self.l3_key_prefix!r}"
+            )
+        if self.l3_ttl_s is not None:
+            ttl = self.l3_ttl_s
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+                raise ConfigError(f"l3_ttl_s: must be a number > 0 or None, got {ttl!r}")
+        if isinstance(self.l3_pool_size, bool) or not isinstance(self.l3_pool_size, int):
+            raise ConfigError(f"l3_pool_size: expected int, got {self.l3_pool_size!r}")
+        if not 1 <= self.l3_pool_size <= 1024:
+            raise ConfigError(f"l3_pool_size: must be in [1, 1024], got {self.l3_pool_size}")
 
     @property
     def l1_bytes(self) -> int:
@@ -141,18 +270,71 @@ class EngineConfig:
         return cls(**values)
 
 
-def _from_env_string(name: str, raw: str) -> Any:
-    if name in ("chunk_size", "l2_write_queue"):
+L3_SCHEMES = (
+    "tkv",
+    "redis",
+    "rediss",
+    "valkey",
+    "valkeys",
+    "redis+cluster",
+    "rediss+cluster",
+    "valkey+cluster",
+    "valkeys+cluster",
+)
+
+
+def _check_l3_url(url: object) -> None:
+    """A URL of a scheme in `L3_SCHEMES` with a host (and, for ``tkv://``, a port)."""
+    if not isinstance(url, str):
+        raise ConfigError(f"l3_url: expected str or None, got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"l3_url: bad port in {url!r}") from None
+    if parts.scheme not in L3_SCHEMES:
+        raise ConfigError(
+            f"l3_url: unknown scheme in {url!r}; use one of {', '.join(L3_SCHEMES)} "
+            "(e.g. tkv://127.0.0.1:7474 or redis://localhost:6379/0)"
+        )
+    if not parts.hostname:
+        raise ConfigError(f"l3_url: no host in {url!r}")
+    if parts.scheme == "tkv" and port is None:
+        raise ConfigError(f"l3_url: tkv:// needs a port, e.g. tkv://127.0.0.1:7474; got {url!r}")
+
+
+def _l3_from_env_string(name: str, raw: str) -> Any:
+    if name == "l3_pool_size":
         try:
             return int(raw)
         except ValueError:
             raise ConfigError(f"TIERED_KV_{name.upper()}: expected an int, got {raw!r}") from None
-    if name == "close_timeout_s":
+    if name == "l3_ttl_s" and raw.strip().lower() in ("", "none"):
+        return None
+    if name in ("l3_timeout_s", "l3_ttl_s"):
         try:
             return float(raw)
         except ValueError:
             raise ConfigError(f"TIERED_KV_{name.upper()}: expected a number, got {raw!r}") from None
-    if name in ("pin_memory", "l2_fsync"):
+    if name in ("l3_url", "l3_token_file"):
+        return raw or None
+    return raw
+
+
+def _from_env_string(name: str, raw: str) -> Any:
+    if name.startswith("l3_"):
+        return _l3_from_env_string(name, raw)
+    if name in _INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"TIERED_KV_{name.upper()}: expected an int, got {raw!r}") from None
+    if name in _FLOAT_FIELDS:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"TIERED_KV_{name.upper()}: expected a number, got {raw!r}") from None
+    if name in ("pin_memory", "l2_fsync", "prefetch"):
         lowered = raw.strip().lower()
         if lowered in ("", "auto") and name == "pin_memory":
             return None

@@ -1,9 +1,11 @@
 """`TieredKVEngine`, the facade serving stacks call, and `SyncTieredKVEngine`, its blocking twin.
 
 Owns: registrations of KV caches (model, world size, worker → layout + key scope), the request
-verbs (store / lookup / retrieve), argument validation, and the lifetime of the arena, tiers and
-mover. Everything else is delegated: keys to `keys`, formats to `layout`, bytes to the mover,
-placement to the `StorageManager`.
+verbs (store / lookup / prefetch / retrieve), the prefetch policies of retrieve, argument
+validation, and the lifetime of the arena, tiers, prefetch controller and mover. Everything else
+is delegated: keys to `keys`, formats to `layout`, bytes to the mover, placement and write
+policies to the `StorageManager`, loads ahead of retrieve to the `PrefetchController`, the
+Prometheus exposition to `metrics`.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ import asyncio
 import dataclasses
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from tiered_kv.config import EngineConfig
-from tiered_kv.errors import EngineStateError, LayoutError
+from tiered_kv import metrics
+from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
+from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
-from tiered_kv.gpu.reference import TorchMover
+from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.keys import ChunkKey, KeyScope, TokenIds, chunk_keys
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.prefetch import PrefetchController, PrefetchHandle
 from tiered_kv.storage import StorageManager
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
@@ -30,7 +35,37 @@ from tiered_kv.tiers.l1 import L1Tier
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRIEVE_READ_CONCURRENCY = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetrieveResult:
+    """What `retrieve_detailed` delivered, and why it stopped.
+
+    valid_tokens: end of the valid prefix in the request's blocks (what `retrieve` returns).
+    cached_tokens: end of the prefix the tiers held when retrieve stopped (>= valid_tokens);
+        ``cached_tokens - valid_tokens`` tokens were cached but not delivered: the serving
+        engine recomputes them.
+    stop_reason: "complete" (every chunk of the request), "gap" (the cached prefix ends),
+        "late" (a chunk was still loading when the policy's budget ran out), "failed" (a
+        load failed: a miss) or "no_space" (L1 had no unreferenced room for a load).
+    late_chunks: chunk indexes not delivered because of the policy (the first late one and the
+        cached chunks after it).
+    failed_chunks: chunk indexes whose load failed.
+    waited_s: time spent waiting for loads.
+    """
+
+    valid_tokens: int
+    cached_tokens: int
+    stop_reason: str
+    policy: str
+    late_chunks: tuple[int, ...] = ()
+    failed_chunks: tuple[int, ...] = ()
+    waited_s: float = 0.0
+
+    @property
+    def recompute_tokens(self) -> int:
+        """Cached tokens that were not delivered (late, failed or no room)."""
+        return self.cached_tokens - self.valid_tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -54,6 +89,13 @@ class _Counters:
     retrieve_calls: int = 0
     retrieved_tokens: int = 0
     retrieved_chunks: int = 0
+    retrieve_scatter_batches: int = 0
+    retrieve_waited_seconds: float = 0.0
+    retrieve_late_tokens: int = 0
+    retrieve_failed_tokens: int = 0
+    prefetch_calls: int = 0
+    implicit_prefetches: int = 0
+    implicit_prefetches_abandoned: int = 0
 
 
 class TieredKVEngine:
@@ -79,6 +121,9 @@ class TieredKVEngine:
         self._counters = _Counters()
         self._arena: HostArena | None = None
         self._storage: StorageManager | None = None
+        self._prefetch: PrefetchController | None = None
+        # Prefetches started by lookup, consumed by the retrieve of the same tokens.
+        self._implicit: OrderedDict[tuple[str, ChunkKey], PrefetchHandle] = OrderedDict()
         self._mover: KVMover | None = None
         self._l2: LowerTier | None = None
         self._closed = False
@@ -100,8 +145,18 @@ class TieredKVEngine:
                 self.config.l2_path, self.config.l2_bytes, fsync=self.config.l2_fsync
             )
             lower.append(self._l2)
+        if self.config.l3_url is not None:
+            from tiered_kv.tiers.l3_remote import remote_tier_from_config
+
+            lower.append(remote_tier_from_config(self.config))
         lower.extend(self._extra_tiers)
-        storage = StorageManager(l1, lower, write_queue=self.config.l2_write_queue)
+        storage = StorageManager(
+            l1,
+            lower,
+            write_queue=self.config.l2_write_queue,
+            write_policies={tier.name: self.config.write_policy_for(tier.name) for tier in lower},
+            selective_min_hits=self.config.selective_min_hits,
+        )
         try:
             await storage.open()
         except BaseException:
@@ -110,7 +165,12 @@ class TieredKVEngine:
             self._arena = None
             raise
         self._storage = storage
-        self._mover = self._mover_override or TorchMover()
+        self._prefetch = PrefetchController(
+            storage,
+            concurrency=self.config.prefetch_concurrency,
+            l1_budget_bytes=int(self._arena.capacity * self.config.prefetch_l1_fraction),
+        )
+        self._mover = self._mover_override or DeviceMover()
         return self
 
     async def __aenter__(self) -> TieredKVEngine:
@@ -141,8 +201,12 @@ class TieredKVEngine:
             return
         self._closed = True
         storage, mover, arena = self._storage, self._mover, self._arena
+        prefetch, self._prefetch = self._prefetch, None
         self._storage = self._mover = None
         try:
+            self._implicit.clear()
+            if prefetch is not None:
+                await prefetch.aclose()
             if storage is not None:
                 self.dropped_on_close = await storage.aclose(self.config.close_timeout_s)
                 if self.dropped_on_close:
@@ -228,6 +292,11 @@ class TieredKVEngine:
         assert self._mover is not None  # set together with the storage manager
         return self._mover
 
+    def _require_prefetch(self) -> PrefetchController:
+        self._require_storage()
+        assert self._prefetch is not None  # set together with the storage manager
+        return self._prefetch
+
     # -- request verbs ----------------------------------------------------------------------
     def _chunk_tokens(self, index: int, total: int) -> int:
         return min(self.config.chunk_size, total - index * self.config.chunk_size)
@@ -290,15 +359,85 @@ class TieredKVEngine:
                 transfer.obj.unref()
 
     async def lookup(self, token_ids: TokenIds, *, model_name: str | None = None) -> int:
-        """Tokens of the longest cached prefix across all tiers (a miss ends the prefix)."""
+        """Tokens of the longest cached prefix across all tiers (a miss ends the prefix).
+
+        With ``config.prefetch`` the chunks of that prefix found only in lower tiers start
+        loading into L1 now; the retrieve of the same tokens consumes that prefetch.
+        """
         storage = self._require_storage()
         reg = self._registration(model_name)
         keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
-        hits = storage.prefix_hits(keys)
-        tokens = min(hits * self.config.chunk_size, _count(token_ids))
+        num_tokens = _count(token_ids)
+        where = await storage.locate(keys)
+        tokens = min(len(where) * self.config.chunk_size, num_tokens)
         self._counters.lookup_calls += 1
         self._counters.lookup_hit_tokens += tokens
+        for key, location in zip(keys, where, strict=False):
+            if location == -1:
+                storage.l1.touch(key)  # about to be used: evict it last
+        if keys:
+            implicit_key = (reg.model_name, keys[-1])
+            if self.config.prefetch and any(location != -1 for location in where):
+                self._start_implicit(implicit_key, reg, keys, where, num_tokens)
+            else:
+                stale = self._implicit.pop(implicit_key, None)
+                if stale is not None:
+                    stale.release_unused()
         return tokens
+
+    def _start_implicit(
+        self,
+        implicit_key: tuple[str, ChunkKey],
+        reg: Registration,
+        keys: Sequence[ChunkKey],
+        where: Sequence[int | None],
+        num_tokens: int,
+    ) -> None:
+        previous = self._implicit.pop(implicit_key, None)
+        if previous is not None and not previous.released and len(previous.slots) >= len(where):
+            self._implicit[implicit_key] = previous  # a repeated lookup of a waiting request
+            return
+        handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=0)
+        if previous is not None:
+            previous.release_unused()  # after starting the new one, so shared loads survive
+        self._implicit[implicit_key] = handle
+        self._counters.implicit_prefetches += 1
+        while len(self._implicit) > self.config.prefetch_max_pending:
+            _, oldest = self._implicit.popitem(last=False)
+            oldest.cancel()
+            self._counters.implicit_prefetches_abandoned += 1
+
+    def _start_prefetch(
+        self,
+        reg: Registration,
+        keys: Sequence[ChunkKey],
+        where: Sequence[int | None],
+        num_tokens: int,
+        *,
+        first_chunk: int,
+    ) -> PrefetchHandle:
+        slots = [
+            (key, self._chunk_tokens(first_chunk + i, num_tokens), location)
+            for i, (key, location) in enumerate(zip(keys[first_chunk:], where, strict=False))
+        ]
+        return self._require_prefetch().start(
+            slots, reg.layout.layout_desc, first_chunk=first_chunk
+        )
+
+    async def prefetch(
+        self, token_ids: TokenIds, *, model_name: str | None = None
+    ) -> PrefetchHandle:
+        """Start loading the cached prefix of ``token_ids`` into L1 and return its handle.
+
+        The handle is the caller's: await it (or `wait`) for the loads, `cancel` it (or drop it)
+        to free its reservations. A retrieve of the same tokens uses whatever it loaded.
+        """
+        storage = self._require_storage()
+        reg = self._registration(model_name)
+        keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        where = await storage.locate(keys)
+        self._counters.prefetch_calls += 1
+        return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=0)
 
     async def retrieve(
         self,
@@ -307,16 +446,47 @@ class TieredKVEngine:
         *,
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
+        policy: str | None = None,
     ) -> int:
         """Load the cached prefix into the request's blocks; returns the tokens now valid.
 
         The first ``skip_prefix_tokens`` tokens are the engine's own (their slots are never
         written, and chunks wholly inside them are not loaded). The result is the end of the
-        valid prefix: ``skip_prefix_tokens`` when nothing more could be loaded.
+        valid prefix: ``skip_prefix_tokens`` when nothing more could be loaded. ``policy``
+        overrides ``config.prefetch_policy`` for this call; `retrieve_detailed` says what was
+        cached but not delivered.
+        """
+        result = await self.retrieve_detailed(
+            token_ids,
+            block_ids,
+            skip_prefix_tokens=skip_prefix_tokens,
+            model_name=model_name,
+            policy=policy,
+        )
+        return result.valid_tokens
+
+    async def retrieve_detailed(
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int = 0,
+        model_name: str | None = None,
+        policy: str | None = None,
+    ) -> RetrieveResult:
+        """`retrieve`, returning a `RetrieveResult` (late and failed chunks, waiting time).
+
+        Chunks are scattered in batches of ``config.retrieve_batch_chunks``, and each batch's
+        L1 references are dropped before waiting for or starting further loads, so delivering
+        a prefix never needs more L1 room than one batch plus the loads in flight.
         """
         storage = self._require_storage()
         mover = self._require_mover()
+        controller = self._require_prefetch()
         reg = self._registration(model_name)
+        policy = self.config.prefetch_policy if policy is None else policy
+        if policy not in PREFETCH_POLICIES:
+            raise ConfigError(f"policy: expected one of {PREFETCH_POLICIES}, got {policy!r}")
         num_tokens = _count(token_ids)
         if isinstance(skip_prefix_tokens, bool) or not 0 <= skip_prefix_tokens <= num_tokens:
             raise LayoutError(
@@ -328,57 +498,138 @@ class TieredKVEngine:
         keys = chunk_keys(reg.scope, token_ids, chunk_size)
         first = skip_prefix_tokens // chunk_size
         if first >= len(keys):
-            return skip_prefix_tokens
-        wanted = keys[first:]
-        wanted = wanted[: storage.prefix_hits(wanted)]
+            return RetrieveResult(skip_prefix_tokens, skip_prefix_tokens, "complete", policy)
+        handle = self._implicit.pop((reg.model_name, keys[-1]), None)
+        if handle is None or handle.released:
+            where = await storage.locate(keys[first:])
+            handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
         desc = reg.layout.layout_desc
-        limiter = asyncio.Semaphore(RETRIEVE_READ_CONCURRENCY)
-
-        async def load(index: int, key: ChunkKey) -> MemoryObj | None:
-            async with limiter:
-                return await storage.get_lower(key, desc, self._chunk_tokens(index, num_tokens))
-
         loop = asyncio.get_running_loop()
-        tasks: list[asyncio.Future[MemoryObj | None]] = []
-        for i, key in enumerate(wanted):
-            cached = storage.get_l1(key)
-            if cached is None:
-                tasks.append(asyncio.ensure_future(load(first + i, key)))
-            else:  # the common case: no task, no await
-                tasks.append(loop.create_future())
-                tasks[-1].set_result(cached)
-        transfers: list[ChunkTransfer] = []
+        started = loop.time()
+        deadline: float | None
+        if policy == "best_effort":
+            deadline = started
+        elif policy == "wait_complete":
+            deadline = None
+        else:
+            loading = sum(
+                self._chunk_tokens(i, num_tokens)
+                for i in range(first, first + storage.prefix_hits(keys[first:]))
+                if not storage.in_l1(keys[i])
+            )
+            deadline = started + (
+                self.config.prefetch_timeout_base_s
+                + self.config.prefetch_timeout_per_1k_tokens_s * loading / 1000
+            )
+        batch: list[ChunkTransfer] = []
+        delivered = skip_prefix_tokens
+        waited = 0.0
+        stop_reason = "complete"
+        failed: tuple[int, ...] = ()
+        index = first
+
+        async def flush() -> None:
+            nonlocal delivered
+            if not batch:
+                return
+            await mover.scatter(reg.layout, ids, batch)
+            last = batch[-1]
+            delivered = max(delivered, last.token_start + last.obj.num_tokens)
+            self._counters.retrieved_chunks += len(batch)
+            self._counters.retrieve_scatter_batches += 1
+            for transfer in batch:
+                transfer.obj.unref()
+            batch.clear()
+
         try:
-            if any(not task.done() for task in tasks):
-                await asyncio.wait(tasks)
-            for i, task in enumerate(tasks):
-                obj = task.result()
+            while index < len(keys):
+                key = keys[index]
+                tokens = self._chunk_tokens(index, num_tokens)
+                slot = handle.slot(index)
+                obj: MemoryObj | None = None
+                if slot is None or not slot.held:
+                    obj = storage.get_l1(key)
+                    if obj is None:
+                        tiers = storage.lower_holding(key)
+                        if not tiers:
+                            stop_reason = "gap"
+                            break
+                        if deadline is not None and loop.time() >= deadline:
+                            stop_reason = "late"
+                            break
+                        await flush()  # our own references must not crowd out the load
+                        got = controller.reserve(key, tiers, desc, tokens, budgeted=False)
+                        if isinstance(got, str):
+                            stop_reason = "no_space"
+                            break
+                        slot = handle.add_slot(index, key, tokens, got)
                 if obj is None:
-                    break
-                index = first + i
+                    load = None if slot is None else slot.load
+                    if slot is None or load is None:  # unreachable: reserved just above
+                        raise EngineStateError(f"retrieve: chunk {index} has no reservation")
+                    had_to_wait = False
+                    if not load.finished() and load.task is not None:
+                        remaining = None if deadline is None else deadline - loop.time()
+                        if remaining is not None and remaining <= 0:
+                            stop_reason = "late"
+                            break
+                        await flush()
+                        before = loop.time()
+                        await asyncio.wait([load.task], timeout=remaining)
+                        waited += loop.time() - before
+                        had_to_wait = True
+                        if not load.finished():
+                            stop_reason = "late"
+                            break
+                    obj = handle.take(slot, waited=had_to_wait)
+                    if obj is None:
+                        stop_reason = "failed"
+                        failed = (index,)
+                        break
+                storage.record_hit(key, obj)
                 start = index * chunk_size
-                transfers.append(ChunkTransfer(obj, start, max(0, skip_prefix_tokens - start)))
-            if transfers:
-                await mover.scatter(reg.layout, ids, transfers)
+                batch.append(ChunkTransfer(obj, start, max(0, skip_prefix_tokens - start)))
+                if len(batch) >= self.config.retrieve_batch_chunks:
+                    await flush()
+                index += 1
+            await flush()
         finally:
-            _release_loads(tasks)
-        end = max(
-            skip_prefix_tokens,
-            (transfers[-1].token_start + transfers[-1].obj.num_tokens) if transfers else 0,
-        )
-        self._counters.retrieved_chunks += len(transfers)
-        self._counters.retrieved_tokens += end - skip_prefix_tokens
-        return end
+            for transfer in batch:
+                transfer.obj.unref()
+            batch.clear()
+            handle.release_unused()
+        if stop_reason in ("complete", "gap"):
+            cached_end = delivered
+        else:
+            cached_chunks = index + max(1, storage.prefix_hits(keys[index:]))
+            cached_end = max(delivered, min(cached_chunks * chunk_size, num_tokens))
+        late: tuple[int, ...] = ()
+        if stop_reason == "late":
+            late = tuple(range(index, -(-cached_end // chunk_size)))
+            self._counters.retrieve_late_tokens += cached_end - delivered
+        elif stop_reason == "failed":
+            self._counters.retrieve_failed_tokens += cached_end - delivered
+        self._counters.retrieved_tokens += delivered - skip_prefix_tokens
+        self._counters.retrieve_waited_seconds += waited
+        return RetrieveResult(delivered, cached_end, stop_reason, policy, late, failed, waited)
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int | float]]:
-        """Nested counters: engine, l1, arena, storage, l2 (when present), mover."""
+        """Nested counters: engine, l1, arena, storage, prefetch, tiers (one section per lower
+        tier, by lower-case name), l2 (when present), mover, and throughput (GB/s per path).
+
+        `metrics()` is the typed view of the same numbers, `metrics_text()` its Prometheus text.
+        """
         out: dict[str, dict[str, int | float]] = {
             "engine": dict(dataclasses.asdict(self._counters)),
         }
         if self._storage is not None:
             out["l1"] = dict(self._storage.l1.stats())
             out["storage"] = self._storage.stats()
+            for tier in self._storage.lower:
+                out.setdefault(tier.name.lower(), dict(tier.stats()))
+        if self._prefetch is not None:
+            out["prefetch"] = self._prefetch.stats()
         if self._arena is not None and not self._arena.closed:
             arena = dataclasses.asdict(self._arena.stats())
             out["arena"] = {k: int(v) for k, v in arena.items()}
@@ -386,30 +637,21 @@ class TieredKVEngine:
             out["l2"] = dict(self._l2.stats())
         if self._mover is not None:
             out["mover"] = dict(self._mover.stats())
+        out["throughput"] = metrics.throughput_gbps(out)
         return out
+
+    def metrics(self) -> list[metrics.MetricFamily]:
+        """Typed metric families (hits/misses per tier, bytes and GB/s per path, prefetch
+        outcomes, queue depths, occupancy), built from `stats()`."""
+        return metrics.engine_metrics(self.stats())
+
+    def metrics_text(self) -> str:
+        """`metrics()` in the Prometheus text exposition format (version 0.0.4)."""
+        return metrics.render_prometheus(self.metrics())
 
 
 def _count(token_ids: TokenIds) -> int:
     return len(token_ids)
-
-
-def _release_loads(tasks: Sequence[asyncio.Future[MemoryObj | None]]) -> None:
-    """Drop the caller's reference of every loaded object; unfinished loads are cancelled and
-    release theirs when they end. Never awaits, so a second cancellation cannot leak."""
-    for task in tasks:
-        if task.done():
-            _drop_result(task)
-        else:
-            task.cancel()
-            task.add_done_callback(_drop_result)
-
-
-def _drop_result(task: asyncio.Future[MemoryObj | None]) -> None:
-    if task.cancelled() or task.exception() is not None:
-        return
-    obj = task.result()
-    if obj is not None:
-        obj.unref()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -492,12 +734,48 @@ class SyncTieredKVEngine:
         *,
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
+        policy: str | None = None,
     ) -> int:
         return self._call(
             self._engine.retrieve(
-                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens, model_name=model_name
+                token_ids,
+                block_ids,
+                skip_prefix_tokens=skip_prefix_tokens,
+                model_name=model_name,
+                policy=policy,
             )
         )
+
+    def retrieve_detailed(
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int = 0,
+        model_name: str | None = None,
+        policy: str | None = None,
+    ) -> RetrieveResult:
+        return self._call(
+            self._engine.retrieve_detailed(
+                token_ids,
+                block_ids,
+                skip_prefix_tokens=skip_prefix_tokens,
+                model_name=model_name,
+                policy=policy,
+            )
+        )
+
+    def prefetch(self, token_ids: TokenIds, *, model_name: str | None = None) -> SyncPrefetchHandle:
+        """`TieredKVEngine.prefetch` behind a blocking handle."""
+        return SyncPrefetchHandle(
+            self, self._call(self._engine.prefetch(token_ids, model_name=model_name))
+        )
+
+    def metrics_text(self) -> str:
+        async def text() -> str:
+            return self._engine.metrics_text()
+
+        return self._call(text())
 
     def flush(self, timeout: float | None = None) -> int:
         return self._call(self._engine.flush(timeout))
@@ -528,6 +806,12 @@ class SyncTieredKVEngine:
     def __enter__(self) -> SyncTieredKVEngine:
         return self
 
+    def _run_on_loop(self, fn: Any) -> Any:
+        async def run() -> Any:
+            return fn()
+
+        return self._call(run())
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -535,3 +819,35 @@ class SyncTieredKVEngine:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class SyncPrefetchHandle:
+    """Blocking twin of `PrefetchHandle`; every call hops to the engine's loop. Dropping it
+    frees the reservations like dropping the async handle does."""
+
+    def __init__(self, owner: SyncTieredKVEngine, handle: PrefetchHandle) -> None:
+        self._owner = owner
+        self._handle: PrefetchHandle | None = handle
+        self.hit_tokens = handle.hit_tokens
+
+    def _require(self) -> PrefetchHandle:
+        if self._handle is None:
+            raise EngineStateError("SyncPrefetchHandle: already cancelled")
+        return self._handle
+
+    def done(self) -> bool:
+        handle = self._require()
+        return bool(self._owner._run_on_loop(handle.done))
+
+    def ready_tokens(self) -> int:
+        handle = self._require()
+        return int(self._owner._run_on_loop(handle.ready_tokens))
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the loads finish (at most ``timeout`` seconds); returns ready tokens."""
+        return self._owner._call(self._require().wait(timeout))
+
+    def cancel(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None and not self._owner._closed:
+            self._owner._run_on_loop(handle.cancel)

@@ -1,8 +1,11 @@
-"""`StorageManager`: L1 in front of the lower tiers (L2 disk, later L3 remote).
+"""`StorageManager`: L1 in front of the lower tiers (L2 disk, L3 remote, custom tiers).
 
-Owns which tier holds what, write-through into lower tiers on bounded background queues,
-longest-prefix lookup across tiers, and promotion of lower-tier hits into L1. Never touches KV
-bytes itself (tiers and movers do) and never imports CUDA. Loop-only.
+Owns which tier holds what, the per-tier write policies (write_through, write_back on L1
+eviction, selective after N hits) on bounded background queues, batched longest-prefix location
+across tiers, and reads of lower-tier chunks into L1 objects. Never touches KV bytes itself
+(tiers and movers do), never imports CUDA, and never blocks the serving path on a lower tier: a
+full write queue drops the write (write_through, selective) or refuses the eviction
+(write_back: the chunk stays in L1, so it is never lost), and counts it. Loop-only.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 
+from tiered_kv.config import WRITE_POLICIES
+from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import MemoryObj
@@ -23,11 +29,15 @@ from tiered_kv.tiers.l1 import L1Tier
 logger = logging.getLogger(__name__)
 
 WRITERS_PER_TIER = 2
+SELECTIVE_TRACKED_KEYS = 1 << 16  # hit counters kept for "selective" admission (LRU beyond)
+
+WRITE_THROUGH, WRITE_BACK, SELECTIVE = WRITE_POLICIES
 
 
 @dataclasses.dataclass(slots=True)
 class _WriteQueue:
     tier: LowerTier
+    policy: str
     queue: asyncio.Queue[tuple[ChunkKey, MemoryObj]]
     pending: set[ChunkKey]
     workers: list[asyncio.Task[None]]
@@ -35,6 +45,21 @@ class _WriteQueue:
     dropped_close: int = 0
     written: int = 0
     failed: int = 0
+    skipped_present: int = 0
+    demoted: int = 0
+    demotions_refused: int = 0
+    admitted: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _TierReads:
+    hits: int = 0
+    located: int = 0
+    failures: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
 
 
 class StorageManager:
@@ -42,26 +67,53 @@ class StorageManager:
 
     Object ownership: `allocate` hands the caller a staging object with one reference; `commit`
     makes L1 and every write queue take their own, so the caller always drops its reference after
-    committing. `get` returns an object with a reference for the caller.
+    committing. `get_l1` / `get` return an object with a reference for the caller.
+
+    Write policies (``write_policies``: tier name → policy, default write_through):
+    write_through queues the write at commit; write_back marks the L1 entry dirty and queues the
+    write when L1 evicts it (the queue holds a reference, so the bytes stay until written, and
+    the chunk stays readable meanwhile); selective queues the write once a chunk has been
+    delivered ``selective_min_hits`` times.
     """
 
-    def __init__(self, l1: L1Tier, lower: Sequence[LowerTier], *, write_queue: int = 256) -> None:
+    def __init__(
+        self,
+        l1: L1Tier,
+        lower: Sequence[LowerTier],
+        *,
+        write_queue: int = 256,
+        write_policies: Mapping[str, str] | None = None,
+        selective_min_hits: int = 2,
+    ) -> None:
         self.l1 = l1
         self.lower = tuple(lower)
+        policies = dict(write_policies or {})
+        for name, policy in policies.items():
+            if policy not in WRITE_POLICIES:
+                raise ConfigError(f"write policy for {name}: expected one of {WRITE_POLICIES}")
+        self._policies = [policies.get(tier.name, WRITE_THROUGH) for tier in self.lower]
         self._write_queue_size = write_queue
+        self._selective_min_hits = selective_min_hits
         self._queues: list[_WriteQueue] = []
         self._opened = False
+        self._demoting: dict[ChunkKey, MemoryObj] = {}
+        self._hit_counts: OrderedDict[ChunkKey, int] = OrderedDict()
         self.hits = {name: 0 for name in (l1.name, *(tier.name for tier in self.lower))}
+        self.reads = [_TierReads() for _ in self.lower]
         self.misses = 0
+        self.located_l1 = 0
+        self.located_misses = 0
         self.promotions = 0
         self.promotion_failures = 0
         self.lower_read_seconds = 0.0
+        if any(policy == WRITE_BACK for policy in self._policies):
+            l1.on_evict = self._on_l1_evict
 
     async def open(self) -> None:
-        for tier in self.lower:
+        for tier, policy in zip(self.lower, self._policies, strict=True):
             await tier.open()
             queue: asyncio.Queue[tuple[ChunkKey, MemoryObj]] = asyncio.Queue(self._write_queue_size)
-            wq = _WriteQueue(tier, queue, set(), [])
+            wq = _WriteQueue(tier, policy, queue, set(), [])
             wq.workers = [
                 asyncio.create_task(self._writer(wq), name=f"tkv-{tier.name}-writer{i}")
                 for i in range(WRITERS_PER_TIER)
@@ -69,49 +121,159 @@ class StorageManager:
             self._queues.append(wq)
         self._opened = True
 
+    def write_policy(self, tier_name: str) -> str | None:
+        for tier, policy in zip(self.lower, self._policies, strict=True):
+            if tier.name == tier_name:
+                return policy
+        return None
+
     # -- bookkeeping ------------------------------------------------------------------------
+    def in_l1(self, key: ChunkKey) -> bool:
+        """In L1, or evicted and still waiting for its write_back demotion (still readable)."""
+        return self.l1.contains(key) or key in self._demoting
+
     def tier_of(self, key: ChunkKey) -> str | None:
         """Name of the highest tier holding ``key`` (from indexes, no I/O), or None."""
-        if self.l1.contains(key):
+        if self.in_l1(key):
             return self.l1.name
         for tier in self.lower:
             if tier.contains(key):
                 return tier.name
         return None
 
+    def lower_holding(self, key: ChunkKey) -> list[int]:
+        """Indexes of the lower tiers whose index holds ``key``, top first (no I/O)."""
+        return [i for i, tier in enumerate(self.lower) if tier.contains(key)]
+
     def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading keys some tier holds; a miss ends the prefix."""
+        """How many leading keys some tier holds (indexes only); a miss ends the prefix."""
         for index, key in enumerate(keys):
             if self.tier_of(key) is None:
                 return index
         return len(keys)
+
+    async def locate(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        """Where each key of the longest cached prefix is: -1 for L1, ``i`` for ``lower[i]``.
+
+        The list stops at the first key no tier holds (a gap ends the prefix). Lower tiers are
+        asked with one batched `contains_many` each, only about the keys no higher tier holds.
+        """
+        where: list[int | None] = [-1 if self.in_l1(key) else None for key in keys]
+        for index, tier in enumerate(self.lower):
+            unknown = [i for i, w in enumerate(where) if w is None]
+            if not unknown:
+                break
+            try:
+                found = await tier.contains_many([keys[i] for i in unknown])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # tier boundary: a broken index is a miss
+                logger.warning("%s contains_many failed", tier.name, exc_info=True)
+                self.reads[index].failures += 1
+                continue
+            for i, present in zip(unknown, found, strict=False):
+                if present:
+                    where[i] = index
+        end = next((i for i, w in enumerate(where) if w is None), len(where))
+        for w in where[:end]:
+            if w == -1:
+                self.located_l1 += 1
+            elif w is not None:
+                self.reads[w].located += 1
+        if end < len(where):
+            self.located_misses += 1
+        return where[:end]
 
     # -- store ------------------------------------------------------------------------------
     def allocate(self, layout: MemoryLayoutDesc, num_tokens: int) -> MemoryObj | None:
         return self.l1.allocate(layout, num_tokens)
 
     def commit(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        """Publish a filled staging object in L1 and queue its write-through to lower tiers."""
+        """Publish a filled staging object in L1 and apply each lower tier's write policy."""
         if not self.l1.commit(key, obj):
             return False
         for wq in self._queues:
-            if key in wq.pending or wq.tier.contains(key):
-                continue
-            try:
-                wq.queue.put_nowait((key, obj.ref()))
-            except asyncio.QueueFull:
-                obj.unref()
-                wq.dropped_full += 1
-                continue
-            wq.pending.add(key)
+            if wq.policy == WRITE_THROUGH:
+                self._enqueue(wq, key, obj)
+            elif wq.policy == WRITE_BACK:
+                if not wq.tier.contains(key):
+                    self.l1.mark_dirty(key)
+            elif self._hit_counts.get(key, 0) >= self._selective_min_hits:
+                self._enqueue(wq, key, obj)
         return True
+
+    def record_hit(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """A chunk was delivered to a request: count it, admit it to selective tiers at N."""
+        if not any(wq.policy == SELECTIVE for wq in self._queues):
+            return
+        count = self._hit_counts.pop(key, 0) + 1
+        self._hit_counts[key] = count
+        if len(self._hit_counts) > SELECTIVE_TRACKED_KEYS:
+            self._hit_counts.popitem(last=False)
+        if count < self._selective_min_hits:
+            return
+        for wq in self._queues:
+            if wq.policy == SELECTIVE and self._enqueue(wq, key, obj):
+                wq.admitted += 1
+
+    def hit_count(self, key: ChunkKey) -> int:
+        return self._hit_counts.get(key, 0)
+
+    def _enqueue(self, wq: _WriteQueue, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Queue a write of ``obj`` (the queue takes a reference); never blocks."""
+        if key in wq.pending or wq.tier.contains(key):
+            return False
+        try:
+            wq.queue.put_nowait((key, obj.ref()))
+        except asyncio.QueueFull:
+            obj.unref()
+            wq.dropped_full += 1
+            return False
+        wq.pending.add(key)
+        return True
+
+    def _on_l1_evict(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """L1 eviction hook: queue write_back demotions, or refuse when a queue is full."""
+        if not self.l1.is_dirty(key):
+            return True
+        targets = [
+            wq
+            for wq in self._queues
+            if wq.policy == WRITE_BACK and key not in wq.pending and not wq.tier.contains(key)
+        ]
+        if any(wq.queue.full() for wq in targets):
+            for wq in targets:
+                wq.demotions_refused += 1
+            return False  # stays in L1 (dirty); the next eviction candidate is tried instead
+        for wq in targets:
+            self._enqueue(wq, key, obj)
+            wq.demoted += 1
+        if any(key in wq.pending for wq in self._queues if wq.policy == WRITE_BACK):
+            self._demoting[key] = obj.ref()  # readable until written
+        return True
+
+    def _settle(self, key: ChunkKey) -> None:
+        """After a write of ``key`` ended: release a finished demotion, clean the L1 entry."""
+        if any(key in wq.pending for wq in self._queues if wq.policy == WRITE_BACK):
+            return
+        obj = self._demoting.pop(key, None)
+        if obj is not None:
+            obj.unref()
+        if all(wq.tier.contains(key) for wq in self._queues if wq.policy == WRITE_BACK):
+            self.l1.mark_clean(key)
 
     async def _writer(self, wq: _WriteQueue) -> None:
         while True:
             key, obj = await wq.queue.get()
             try:
+                if wq.tier.contains(key):
+                    wq.skipped_present += 1
+                    continue
+                start = time.perf_counter()
                 if await wq.tier.put(key, obj):
                     wq.written += 1
+                    wq.bytes_written += obj.nbytes
+                    wq.write_seconds += time.perf_counter() - start
                 else:
                     wq.failed += 1
             except asyncio.CancelledError:
@@ -124,14 +286,48 @@ class StorageManager:
                 wq.pending.discard(key)
                 obj.unref()
                 wq.queue.task_done()
+                if wq.policy == WRITE_BACK:
+                    self._settle(key)
 
     # -- read -------------------------------------------------------------------------------
     def get_l1(self, key: ChunkKey) -> MemoryObj | None:
-        """The chunk if L1 holds it (caller's reference), without awaiting."""
+        """The chunk if L1 holds it (caller's reference), without awaiting.
+
+        A chunk evicted but still waiting for its write_back demotion is put back into L1.
+        """
         obj = self.l1.get(key)
-        if obj is not None:
-            self.hits[self.l1.name] += 1
+        if obj is None:
+            demoting = self._demoting.get(key)
+            if demoting is None:
+                return None
+            if self.l1.commit(key, demoting):
+                self.l1.mark_dirty(key)  # its write is still pending; `_settle` cleans it
+            obj = demoting.ref()
+        self.hits[self.l1.name] += 1
         return obj
+
+    async def read_into(self, tier_index: int, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Fill ``obj`` from ``lower[tier_index]``; a failure or exception is a miss (False)."""
+        tier = self.lower[tier_index]
+        reads = self.reads[tier_index]
+        start = time.perf_counter()
+        try:
+            found = await tier.get_into(key, obj)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # tier boundary
+            logger.warning("%s read of %s failed", tier.name, key.hex, exc_info=True)
+            found = False
+        elapsed = time.perf_counter() - start
+        self.lower_read_seconds += elapsed
+        if not found:
+            reads.failures += 1
+            return False
+        reads.hits += 1
+        reads.bytes_read += obj.nbytes
+        reads.read_seconds += elapsed
+        self.hits[tier.name] += 1
+        return True
 
     async def get(
         self, key: ChunkKey, layout: MemoryLayoutDesc, num_tokens: int
@@ -145,25 +341,22 @@ class StorageManager:
     async def get_lower(
         self, key: ChunkKey, layout: MemoryLayoutDesc, num_tokens: int
     ) -> MemoryObj | None:
-        """Read ``key`` from the first lower tier that has it into a new L1 object (promotion)."""
-        for tier in self.lower:
-            if not tier.contains(key):
-                continue
+        """Read ``key`` from the first lower tier that has it into a new L1 object (promotion).
+
+        Not deduplicated: the engine goes through the prefetch controller instead."""
+        for index in self.lower_holding(key):
             staging = self.l1.allocate(layout, num_tokens)
             if staging is None:
                 self.promotion_failures += 1
                 return None
-            start = time.perf_counter()
             try:
-                found = await tier.get_into(key, staging)
+                found = await self.read_into(index, key, staging)
             except BaseException:
                 staging.unref()
                 raise
-            self.lower_read_seconds += time.perf_counter() - start
             if not found:
                 staging.unref()
                 continue
-            self.hits[tier.name] += 1
             if self.l1.commit(key, staging):
                 self.promotions += 1
             return staging
@@ -173,7 +366,7 @@ class StorageManager:
     # -- shutdown ---------------------------------------------------------------------------
     async def flush(self, timeout: float | None = None) -> int:
         """Wait for queued lower-tier writes. Returns how many were still pending at the timeout
-        (those stay queued; `aclose` drops them)."""
+        (those stay queued; `aclose` drops them). Dirty write_back chunks stay in L1."""
         joins = [wq.queue.join() for wq in self._queues]
         if not joins:
             return 0
@@ -183,15 +376,42 @@ class StorageManager:
             return sum(len(wq.pending) for wq in self._queues)
         return 0
 
+    async def demote_dirty(self, timeout: float | None = None) -> int:
+        """Queue every dirty L1 chunk for its write_back tiers (waiting for queue space up to
+        ``timeout``); returns how many could not be queued in time."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        left = 0
+        for key in self.l1.dirty_keys():
+            obj = self.l1.peek(key)
+            if obj is None:
+                continue
+            for wq in self._queues:
+                if wq.policy != WRITE_BACK or key in wq.pending or wq.tier.contains(key):
+                    continue
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                try:
+                    await asyncio.wait_for(wq.queue.put((key, obj.ref())), remaining)
+                except TimeoutError:
+                    obj.unref()
+                    left += 1
+                    continue
+                wq.pending.add(key)
+                wq.demoted += 1
+        return left
+
     async def aclose(self, timeout: float) -> int:
-        """Flush (bounded by ``timeout``), then drop what is left, stop writers, close tiers.
-        Returns the number of writes dropped."""
+        """Demote dirty write_back chunks and flush (together bounded by ``timeout``), then drop
+        what is left, stop writers, close tiers. Returns the number of writes dropped."""
         if not self._opened:
             return 0
         dropped = 0
         try:
             if self._queues:
-                pending = await self.flush(timeout)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + timeout
+                dropped += await self.demote_dirty(timeout)
+                pending = await self.flush(max(0.0, deadline - loop.time()))
                 if pending:
                     logger.warning(
                         "closing with %d lower-tier writes still pending after %.1fs; dropping",
@@ -212,11 +432,17 @@ class StorageManager:
                     wq.dropped_close += 1
                 wq.workers.clear()
                 dropped += wq.dropped_close
+            for obj in self._demoting.values():
+                obj.unref()
+            self._demoting.clear()
             for tier in self.lower:
                 await tier.aclose()
             self.l1.clear()
             self._opened = False
         return dropped
+
+    def write_queue_depths(self) -> dict[str, int]:
+        return {wq.tier.name: wq.queue.qsize() for wq in self._queues}
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {
@@ -225,12 +451,28 @@ class StorageManager:
         out["misses"] = self.misses
         out["promotions"] = self.promotions
         out["promotion_failures"] = self.promotion_failures
+        out["located_l1"] = self.located_l1
+        out["located_misses"] = self.located_misses
+        out["demoting"] = len(self._demoting)
+        for tier, reads in zip(self.lower, self.reads, strict=True):
+            prefix = f"{tier.name.lower()}_read"
+            out[f"located_{tier.name.lower()}"] = reads.located
+            out[f"{prefix}_failures"] = reads.failures
+            out[f"{prefix}_bytes"] = reads.bytes_read
+            out[f"{prefix}_seconds"] = reads.read_seconds
         for wq in self._queues:
             prefix = f"{wq.tier.name.lower()}_write"
             out[f"{prefix}_queue_depth"] = wq.queue.qsize()
+            out[f"{prefix}_queue_capacity"] = wq.queue.maxsize
             out[f"{prefix}_pending"] = len(wq.pending)
             out[f"{prefix}_done"] = wq.written
             out[f"{prefix}_failed"] = wq.failed
             out[f"{prefix}_dropped_full"] = wq.dropped_full
             out[f"{prefix}_dropped_close"] = wq.dropped_close
+            out[f"{prefix}_skipped_present"] = wq.skipped_present
+            out[f"{prefix}_demoted"] = wq.demoted
+            out[f"{prefix}_demotions_refused"] = wq.demotions_refused
+            out[f"{prefix}_admitted"] = wq.admitted
+            out[f"{prefix}_bytes"] = wq.bytes_written
+            out[f"{prefix}_seconds"] = wq.write_seconds
         return out

@@ -4,6 +4,10 @@ Owns the mapping key → `MemoryObj` and eviction. Staged objects (allocated, be
 invisible until `commit`. The tier holds one reference to each committed object; readers and
 in-flight transfers hold their own, and an object is only evicted when the tier's reference is the
 last one. Loop-only, like `HostArena`. Must not do I/O or touch KV bytes.
+
+Dirty entries (marked by the storage manager for write_back tiers that lack a copy) are evicted
+only after every clean candidate, and only through the eviction hook, which may refuse (return
+False): the entry then stays, so evicted data is never lost when its demotion cannot be queued.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 
-EvictHook = Callable[[ChunkKey, MemoryObj], None]
+# Called before an entry leaves the tier. Returning False refuses the eviction (the entry stays);
+# None or True let it go. A hook that needs the bytes afterwards takes its own reference.
+EvictHook = Callable[[ChunkKey, MemoryObj], "bool | None"]
 
 
 class L1Tier:
@@ -26,10 +32,12 @@ class L1Tier:
         self.on_evict = on_evict
         self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
         self._bytes = 0
+        self._dirty: set[ChunkKey] = set()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.allocation_failures = 0
+        self.evictions_refused = 0
 
     def allocate(self, layout: MemoryLayoutDesc, num_tokens: int) -> MemoryObj | None:
         """A staging object (one reference, the caller's), evicting LRU entries to make room.
@@ -68,6 +76,29 @@ class L1Tier:
     def contains(self, key: ChunkKey) -> bool:
         return key in self._entries
 
+    def peek(self, key: ChunkKey) -> MemoryObj | None:
+        """The committed object without a reference, hit counting or LRU update."""
+        return self._entries.get(key)
+
+    def mark_dirty(self, key: ChunkKey) -> None:
+        """``key`` still needs a copy in a write_back tier: evict it last, through the hook."""
+        if key in self._entries:
+            self._dirty.add(key)
+
+    def mark_clean(self, key: ChunkKey) -> None:
+        self._dirty.discard(key)
+
+    def is_dirty(self, key: ChunkKey) -> bool:
+        return key in self._dirty
+
+    def dirty_keys(self) -> list[ChunkKey]:
+        """Dirty keys, least recently used first."""
+        return [key for key in self._entries if key in self._dirty]
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
     def touch(self, key: ChunkKey) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -78,16 +109,19 @@ class L1Tier:
         if obj is None:
             return False
         self._bytes -= obj.nbytes
+        self._dirty.discard(key)
         obj.unref()
         return True
 
     def evict_unreferenced(self, max_bytes: int | None = None) -> int:
         """Evict LRU entries nobody else references, up to ``max_bytes``; returns bytes freed."""
         freed = 0
-        for key in [k for k, o in self._entries.items() if o.refcount == 1]:
+        for key in self._candidates():
             if max_bytes is not None and freed >= max_bytes:
                 break
-            freed += self._evict(key)
+            obj = self._entries.get(key)
+            if obj is not None and obj.refcount == 1:
+                freed += self._evict(key)
         return freed
 
     def clear(self) -> None:
@@ -95,17 +129,25 @@ class L1Tier:
         for key in list(self._entries):
             self.remove(key)
 
+    def _candidates(self) -> list[ChunkKey]:
+        """Unreferenced entries in eviction order: clean LRU first, then dirty LRU."""
+        idle = [k for k, o in self._entries.items() if o.refcount == 1]
+        return [k for k in idle if k not in self._dirty] + [k for k in idle if k in self._dirty]
+
     def _evict_one(self) -> bool:
-        for key, obj in self._entries.items():
-            if obj.refcount == 1:
-                self._evict(key)
-                return True
-        return False
+        for key, obj in self._entries.items():  # fast path: the LRU clean entry
+            if obj.refcount == 1 and key not in self._dirty:
+                if self._evict(key):
+                    return True
+                break  # the hook refused: take the slow path over every candidate
+        return any(self._evict(key) for key in self._candidates())
 
     def _evict(self, key: ChunkKey) -> int:
+        """Bytes the entry accounted for, or 0 when the hook refused the eviction."""
         obj = self._entries[key]
-        if self.on_evict is not None:
-            self.on_evict(key, obj)
+        if self.on_evict is not None and self.on_evict(key, obj) is False:
+            self.evictions_refused += 1
+            return 0
         nbytes = obj.nbytes
         self.remove(key)
         self.evictions += 1
@@ -122,4 +164,6 @@ class L1Tier:
             "misses": self.misses,
             "evictions": self.evictions,
             "allocation_failures": self.allocation_failures,
+            "dirty": len(self._dirty),
+            "evictions_refused": self.evictions_refused,
         }

@@ -1,0 +1,374 @@
+"""`PrefetchController`: loads of L2/L3 chunks into L1 ahead of retrieve, and `PrefetchHandle`.
+
+Owns the in-flight loads (one per chunk key, shared by every request that wants it), the
+per-tier concurrency limits, the L1 budget of prefetch reservations, and the outcome counters.
+A load's L1 object is allocated from the requesting registration's `MemoryLayoutDesc` before any
+byte arrives; when the bytes are in, the chunk is committed to L1. Must not touch KV bytes (tiers
+do), import CUDA, or evict anything referenced (L1 allocation evicts unreferenced entries only);
+when L1 has no room, or prefetch reservations would pass their budget, prefetching stops there
+rather than thrash. Loop-only, except `PrefetchHandle`'s finalizer, which hops to the loop.
+
+Reference ownership: a load holds the staging object's first reference until its read ends; each
+handle waiting for the chunk holds one more (its reservation), dropped by `take` (the caller now
+owns it), `cancel`, or when the handle is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import weakref
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from tiered_kv.keys import ChunkKey
+from tiered_kv.layout import MemoryLayoutDesc
+from tiered_kv.memory import MemoryObj
+from tiered_kv.storage import StorageManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class PrefetchCounters:
+    """Outcomes of reservations (one per chunk a handle asked to load)."""
+
+    handles: int = 0
+    loads_started: int = 0
+    loads_deduplicated: int = 0
+    ready_in_time: int = 0  # loaded before retrieve needed it
+    ready_after_wait: int = 0  # retrieve waited for it, within the policy's budget
+    late: int = 0  # still loading when the policy's budget ran out (recomputed)
+    cancelled: int = 0  # handle cancelled, dropped, or abandoned before use
+    failed: int = 0  # the read failed (a miss)
+    unused: int = 0  # loaded but not used (after a gap or a late chunk)
+    stopped_no_space: int = 0  # chunks not reserved: L1 had no unreferenced room
+    stopped_budget: int = 0  # chunks not reserved: prefetch budget of L1 reached
+    bytes_loaded: int = 0
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Load:
+    key: ChunkKey
+    tier_indexes: tuple[int, ...]
+    obj: MemoryObj
+    task: asyncio.Task[bool] | None = None
+    holders: int = 0
+    running: bool = False  # holds a tier slot (its read is under way)
+    settled: bool = False  # its bytes no longer count against the prefetch budget
+
+    def succeeded(self) -> bool:
+        task = self.task
+        return task is not None and task.done() and not task.cancelled() and task.result() is True
+
+    def finished(self) -> bool:
+        return self.task is not None and self.task.done()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class PrefetchSlot:
+    """One chunk of a handle's prefix. ``load`` is None for chunks L1 held at lookup time and
+    for chunks that could not be reserved (``reserved`` False)."""
+
+    index: int
+    key: ChunkKey
+    num_tokens: int
+    in_l1: bool
+    load: _Load | None = None
+    held: bool = False  # the handle holds a reference to load.obj
+
+
+class PrefetchController:
+    """Starts, deduplicates and bounds loads; see the module docstring for ownership."""
+
+    def __init__(self, storage: StorageManager, *, concurrency: int, l1_budget_bytes: int) -> None:
+        self.storage = storage
+        self.l1_budget_bytes = l1_budget_bytes
+        self.reserved_bytes = 0
+        self.counters = PrefetchCounters()
+        self._limits = [asyncio.Semaphore(concurrency) for _ in storage.lower]
+        self._loads: dict[ChunkKey, _Load] = {}
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._handles: weakref.WeakSet[PrefetchHandle] = weakref.WeakSet()
+        self._closed = False
+
+    # -- loads ------------------------------------------------------------------------------
+    def reserve(
+        self,
+        key: ChunkKey,
+        tier_indexes: Sequence[int],
+        layout: MemoryLayoutDesc,
+        num_tokens: int,
+        *,
+        budgeted: bool = True,
+    ) -> _Load | str:
+        """Join the in-flight load of ``key`` or start one; the caller becomes a holder (one
+        reference to the object). Returns "no_space" or "budget" when nothing was reserved."""
+        load = self._loads.get(key)
+        if load is not None:
+            self.counters.loads_deduplicated += 1
+        else:
+            nbytes = layout.nbytes(num_tokens)
+            if budgeted and self.reserved_bytes + nbytes > self.l1_budget_bytes:
+                self.counters.stopped_budget += 1
+                return "budget"
+            obj = self.storage.allocate(layout, num_tokens)
+            if obj is None:
+                self.counters.stopped_no_space += 1
+                self.storage.promotion_failures += 1
+                return "no_space"
+            load = _Load(key, tuple(tier_indexes), obj)
+            self.reserved_bytes += obj.nbytes
+            self._loads[key] = load
+            task = asyncio.get_running_loop().create_task(
+                self._run(load), name=f"tkv-prefetch-{key.hex[:12]}"
+            )
+            load.task = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            self.counters.loads_started += 1
+        load.obj.ref()
+        load.holders += 1
+        return load
+
+    async def _run(self, load: _Load) -> bool:
+        ok = False
+        try:
+            for index in load.tier_indexes:
+                async with self._limits[index]:
+                    load.running = True
+                    ok = await self.storage.read_into(index, load.key, load.obj)
+                    load.running = False
+                if ok:
+                    break
+            if ok:
+                self.counters.bytes_loaded += load.obj.nbytes
+                if self.storage.l1.commit(load.key, load.obj):
+                    self.storage.promotions += 1
+            else:
+                self.storage.misses += 1
+            return ok
+        finally:
+            load.running = False
+            if self._loads.get(load.key) is load:
+                del self._loads[load.key]
+            load.obj.unref()  # the load's own reference; holders and L1 keep theirs
+            self._maybe_settle(load)
+
+    def release(self, load: _Load, *, keep_running: bool) -> None:
+        """A holder drops its reference. A load nobody holds any more is cancelled, unless
+        ``keep_running`` and its read is already under way (it then lands in L1 unreferenced)."""
+        load.holders -= 1
+        load.obj.unref()
+        task = load.task
+        idle = load.holders == 0 and task is not None and not task.done()
+        if idle and task is not None and not (keep_running and load.running):
+            task.cancel()
+        self._maybe_settle(load)
+
+    def _maybe_settle(self, load: _Load) -> None:
+        if not load.settled and load.holders == 0 and load.finished():
+            load.settled = True
+            self.reserved_bytes -= load.obj.nbytes
+
+    # -- handles ----------------------------------------------------------------------------
+    def start(
+        self,
+        slots: Sequence[tuple[ChunkKey, int, int | None]],
+        layout: MemoryLayoutDesc,
+        *,
+        first_chunk: int = 0,
+    ) -> PrefetchHandle:
+        """A handle over a located prefix starting at chunk ``first_chunk``: per chunk (key,
+        token count, location), location -1 for L1, else the index of the first lower tier
+        holding it. Chunks in lower tiers get a reservation until one cannot be made (L1
+        pressure stops prefetching there)."""
+        handle_slots: list[PrefetchSlot] = []
+        stopped = False
+        for offset, (key, num_tokens, where) in enumerate(slots):
+            slot = PrefetchSlot(first_chunk + offset, key, num_tokens, in_l1=where == -1)
+            handle_slots.append(slot)
+            if where is None or where == -1 or stopped:
+                continue
+            tiers = [where, *(i for i in self.storage.lower_holding(key) if i != where)]
+            got = self.reserve(key, tiers, layout, num_tokens)
+            if isinstance(got, str):
+                stopped = True
+                continue
+            slot.load = got
+            slot.held = True
+        self.counters.handles += 1
+        handle = PrefetchHandle(self, handle_slots, first_chunk)
+        self._handles.add(handle)
+        return handle
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(dataclasses.asdict(self.counters))
+        out["in_flight"] = len(self._loads)
+        out["running"] = sum(1 for load in self._loads.values() if load.running)
+        out["queued"] = sum(1 for load in self._loads.values() if not load.running)
+        out["reserved_bytes"] = self.reserved_bytes
+        out["budget_bytes"] = self.l1_budget_bytes
+        out["live_handles"] = sum(1 for handle in self._handles if not handle.released)
+        return out
+
+    async def aclose(self) -> None:
+        """Cancel every handle and load and wait for the loads to let go of their objects."""
+        self._closed = True
+        for handle in list(self._handles):
+            handle.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _release_slots(controller: PrefetchController, slots: list[PrefetchSlot], outcome: str) -> None:
+    """Drop every reservation still held in ``slots``, counting ``outcome`` for each."""
+    counters = controller.counters
+    for slot in slots:
+        load = slot.load
+        if load is None or not slot.held:
+            continue
+        slot.held = False
+        if load.finished() and not load.succeeded():
+            counters.failed += 1
+        elif outcome == "cancelled":
+            counters.cancelled += 1
+        elif load.succeeded():
+            counters.unused += 1
+        else:
+            counters.late += 1
+        controller.release(load, keep_running=outcome != "cancelled")
+
+
+def _finalize(
+    loop: asyncio.AbstractEventLoop, controller: PrefetchController, slots: list[PrefetchSlot]
+) -> None:
+    """A handle was garbage-collected without being released: free its reservations on the loop
+    (the collector may run in any thread)."""
+    if not any(slot.held for slot in slots):
+        return
+    # A closed loop raises RuntimeError: the engine is gone, and its arena with it.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_release_slots, controller, slots, "cancelled")
+
+
+class PrefetchHandle:
+    """A prefetch of one request's cached prefix. Awaiting it waits for every load and returns
+    `ready_tokens()`. `cancel()` (or dropping the last reference to the handle) frees its
+    reservations; retrieve consumes it chunk by chunk with `take`."""
+
+    def __init__(
+        self, controller: PrefetchController, slots: list[PrefetchSlot], first_chunk: int
+    ) -> None:
+        self._controller = controller
+        self._slots = slots
+        self.first_chunk = first_chunk
+        self.released = False
+        self.hit_tokens = sum(slot.num_tokens for slot in slots)
+        self._finalizer = weakref.finalize(
+            self, _finalize, asyncio.get_running_loop(), controller, slots
+        )
+        self._finalizer.atexit = False
+
+    @property
+    def slots(self) -> Sequence[PrefetchSlot]:
+        return self._slots
+
+    def reserved_chunks(self) -> int:
+        return sum(1 for slot in self._slots if slot.held)
+
+    def done(self) -> bool:
+        """True when no load of this handle is still running (or the handle was released)."""
+        if self.released:
+            return True
+        return all(slot.load is None or slot.load.finished() for slot in self._slots)
+
+    def ready_tokens(self) -> int:
+        """Tokens of the prefix that are in host memory now (a chunk not ready ends it)."""
+        storage = self._controller.storage
+        ready = 0
+        for slot in self._slots:
+            if slot.load is not None and slot.held:
+                if not slot.load.succeeded():
+                    break
+            elif not storage.in_l1(slot.key):
+                break
+            ready += slot.num_tokens
+        return ready
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait (at most ``timeout`` seconds) for the loads; returns `ready_tokens()`."""
+        pending = [
+            slot.load.task
+            for slot in self._slots
+            if slot.load is not None and slot.held and slot.load.task is not None
+        ]
+        pending = [task for task in pending if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        return self.ready_tokens()
+
+    def __await__(self) -> Generator[Any, None, int]:
+        return self.wait().__await__()
+
+    def take(self, slot: PrefetchSlot, *, waited: bool) -> MemoryObj | None:
+        """Hand the slot's loaded object to the caller (who must `unref` it), or None when the
+        load failed or is not finished; the reservation then belongs to the caller. ``waited``:
+        the caller had to wait for it (counted as ready after wait, else ready in time)."""
+        load = slot.load
+        if load is None or not slot.held or not load.succeeded():
+            return None
+        slot.held = False
+        if waited:
+            self._controller.counters.ready_after_wait += 1
+        else:
+            self._controller.counters.ready_in_time += 1
+        load.holders -= 1
+        self._controller._maybe_settle(load)
+        return load.obj
+
+    def cancel(self) -> None:
+        """Free every reservation (loads nobody else wants are cancelled). Idempotent."""
+        self._release("cancelled")
+
+    def _release(self, outcome: str) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._finalizer.detach()
+        _release_slots(self._controller, self._slots, outcome)
+
+    def release_unused(self) -> None:
+        """After retrieve: drop what it did not take (late loads keep running into L1)."""
+        self._release("late")
+
+    def add_slot(
+        self, index: int, key: ChunkKey, num_tokens: int, load: _Load | None
+    ) -> PrefetchSlot:
+        """Retrieve reserved a chunk the handle did not have (evicted since lookup, not reserved
+        because of L1 pressure then, or past the prefix it located). Slots are visited in
+        order, so ``index`` replaces an unreserved slot or appends the next one."""
+        slot = PrefetchSlot(index, key, num_tokens, in_l1=False, load=load, held=load is not None)
+        position = index - self.first_chunk
+        if 0 <= position < len(self._slots):
+            if self._slots[position].held:
+                raise ValueError(f"PrefetchHandle.add_slot: chunk {index} is already reserved")
+            self._slots[position] = slot
+        elif position == len(self._slots):
+            self._slots.append(slot)
+        else:
+            raise ValueError(
+                f"PrefetchHandle.add_slot: chunk {index} is outside chunks "
+                f"[{self.first_chunk}, {self.first_chunk + len(self._slots)}]"
+            )
+        return slot
+
+    def slot(self, index: int) -> PrefetchSlot | None:
+        """The slot of chunk ``index`` (absolute in the request), or None outside the handle."""
+        position = index - self.first_chunk
+        return self._slots[position] if 0 <= position < len(self._slots) else None
