@@ -51,7 +51,6 @@ from tiered_kv.tiers.remote.protocol import (
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClientOptions:
     """pool_size: connections at most. timeout_s: per request (connecting included).
@@ -149,12 +148,12 @@ class _Connection(asyncio.BufferedProtocol):
             return  # an abandoned request's answer
         if pending.future.done():
             return
-        if header.op != pending.op:
+        if header.status == Status.ERROR:  # fatal errors carry op 0: check status first
+            pending.future.set_exception(decode_error(meta))
+        elif header.op != pending.op:
             pending.future.set_exception(
                 ProtocolError(f"answer to op {pending.op} came back as op {header.op}")
             )
-        elif header.status == Status.ERROR:
-            pending.future.set_exception(decode_error(meta))
         else:
             pending.future.set_result((header, meta))
 
@@ -246,8 +245,7 @@ class RemoteClient:
         self.options = options or ClientOptions()
         self._token = token
         self._connections: list[_Connection] = []
-        self._connecting = 0
-        self._connect_lock: asyncio.Lock | None = None
+        self._connects: set[asyncio.Future[None]] = set()
         self._retry_at = 0.0
         self._backoff_s = self.options.backoff_initial_s
         self._closed = False
@@ -263,30 +261,37 @@ class RemoteClient:
 
     # -- connections ------------------------------------------------------------------------
     async def _acquire(self) -> _Connection:
-        if self._closed:
-            raise RemoteUnavailable("client is closed")
-        self._connections = [c for c in self._connections if c.is_open]
-        best = min(self._connections, key=lambda c: c.load, default=None)
-        full = len(self._connections) + self._connecting >= self.options.pool_size
-        if best is not None and (best.load == 0 or full):
-            return best
-        if time.monotonic() < self._retry_at:
-            if best is not None:
+        """The least loaded connection; a new one while the pool has room and all are busy."""
+        while True:
+            if self._closed:
+                raise RemoteUnavailable("client is closed")
+            self._connections = [c for c in self._connections if c.is_open]
+            best = min(self._connections, key=lambda c: c.load, default=None)
+            full = len(self._connections) + len(self._connects) >= self.options.pool_size
+            if best is not None and (best.load == 0 or full):
                 return best
-            raise RemoteUnavailable(
-                f"{self.host}:{self.port} unreachable; retrying in "
-                f"{self._retry_at - time.monotonic():.2f}s"
-            )
-        self._connecting += 1
-        try:
-            connection = await self._connect()
-        finally:
-            self._connecting -= 1
-        if self._closed:
-            connection.abort()
-            raise RemoteUnavailable("client is closed")
-        self._connections.append(connection)
-        return connection
+            if full:  # no live connection yet, but connects in flight: wait for one
+                await asyncio.wait(list(self._connects), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            if time.monotonic() < self._retry_at:
+                if best is not None:
+                    return best
+                raise RemoteUnavailable(
+                    f"{self.host}:{self.port} unreachable; retrying in "
+                    f"{self._retry_at - time.monotonic():.2f}s"
+                )
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._connects.add(done)
+            try:
+                connection = await self._connect()
+            finally:
+                self._connects.discard(done)
+                done.set_result(None)
+            if self._closed:
+                connection.abort()
+                raise RemoteUnavailable("client is closed")
+            self._connections.append(connection)
+            return connection
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -298,7 +303,7 @@ class RemoteClient:
         except OSError as exc:
             self._backoff(exc)
             raise RemoteUnavailable(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-        connection = typing.cast(_Connection, protocol)
+        connection = protocol
         if self._token is not None:
             try:
                 await connection.send(Op.AUTH, self._token).future
@@ -438,8 +443,6 @@ class RemoteClient:
             connection.abort()
         if connections:
             await asyncio.sleep(0)  # let the transports run connection_lost
-
-
 
 
 class TkvConnector(RemoteConnector):

@@ -21,6 +21,8 @@ import dataclasses
 import hmac
 import json
 import logging
+import signal
+import sys
 import time
 import typing
 
@@ -364,7 +366,7 @@ class RemoteCacheServer:
         server = await loop.create_server(
             lambda: _Connection(self), self.options.host, self.options.port, reuse_address=True
         )
-        self._server = server  # type: ignore[assignment]
+        self._server = server
         logger.info("tkv server listening on %s:%d", self.host, self.port)
 
     @property
@@ -427,3 +429,40 @@ class RemoteCacheServer:
                 await asyncio.wait_for(server.wait_closed(), timeout=1.0)
         self._store.entries.clear()
         self._store.used = 0
+
+
+async def serve(options: ServerOptions, *, announce: typing.TextIO | None = None) -> None:
+    """Run a server until SIGTERM or SIGINT, then shut down gracefully (``tiered-kv serve``).
+
+    Prints one line with the URL once listening (to ``announce``, stderr by default), so
+    scripts and tests can wait for it, and one line of stats on the way out.
+    """
+    stream = announce if announce is not None else sys.stderr
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    server = RemoteCacheServer(options)
+    await server.start()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        auth = "token auth" if options.token is not None else "no auth"
+        print(
+            f"tiered-kv serve: listening on {server.url} "
+            f"(capacity {options.capacity} bytes, {auth})",
+            file=stream,
+            flush=True,
+        )
+        await stop.wait()
+        print("tiered-kv serve: shutting down", file=stream, flush=True)
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        stats = server.stats()
+        await server.aclose()
+    print(
+        f"tiered-kv serve: stopped after {stats['requests']} requests "
+        f"({stats['puts']} puts, {stats['hits']} hits, {stats['misses']} misses)",
+        file=stream,
+        flush=True,
+    )

@@ -1,0 +1,209 @@
+"""Fixtures of the remote-tier tests: in-process tkv servers and real redis-server processes.
+
+Redis: ``TIERED_KV_TEST_REDIS_URL`` (exported by ``.ci/run``) names a running server, and a test
+that needs Redis then fails, not skips, if it is unreachable. Without it, a private
+``redis-server`` from PATH is started for the session; under CI (``CI`` set) a missing
+redis-server fails too, elsewhere the Redis tests skip. The Cluster fixture always starts its
+own three-node cluster (``redis-server`` + ``redis-cli --cluster create``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from tiered_kv.tiers.remote.server import RemoteCacheServer, ServerOptions
+
+REDIS_URL_ENV = "TIERED_KV_TEST_REDIS_URL"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _redis_missing(what: str) -> None:
+    message = f"{what}: redis-server is not installed (apt-get install -y redis-server)"
+    if os.environ.get(REDIS_URL_ENV) or os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _wait_ping(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server on port {port} did not answer PING")
+        time.sleep(0.05)
+
+
+def _start_redis(directory: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    directory.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_ping(port)
+    except BaseException:
+        _stop(process)
+        raise
+    return process
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get(REDIS_URL_ENV)
+    if url:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=5)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            pytest.fail(f"{REDIS_URL_ENV}={url} is not reachable: {exc}")
+        finally:
+            client.close()
+        yield url
+        return
+    if shutil.which("redis-server") is None:
+        _redis_missing("Redis tests")
+    port = free_port()
+    process = _start_redis(tmp_path_factory.mktemp("redis"), port)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        _redis_missing("Redis Cluster tests")
+    root = tmp_path_factory.mktemp("redis-cluster")
+    ports = [free_port() for _ in range(3)]
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for port in ports:
+            processes.append(
+                _start_redis(
+                    root / str(port),
+                    port,
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                )
+            )
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
+        _wait_cluster_ok(ports)
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+    finally:
+        for process in processes:
+            _stop(process)
+
+
+def _wait_cluster_ok(ports: list[int], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for port in ports:
+            output = subprocess.run(
+                ["redis-cli", "-p", str(port), "cluster", "info"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+            states.append("cluster_state:ok" in output)
+        if all(states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("redis cluster did not reach cluster_state:ok")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A prefix of its own per test, so tests sharing one Redis never see each other's keys."""
+    return f"tkvtest-{uuid.uuid4().hex[:12]}"
+
+
+@pytest_asyncio.fixture
+async def tkv_server() -> AsyncIterator[RemoteCacheServer]:
+    server = RemoteCacheServer(ServerOptions(port=0, capacity=256 << 20))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.aclose(grace_s=1.0)
+
+
+@contextlib.contextmanager
+def env(**values: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
