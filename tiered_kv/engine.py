@@ -128,6 +128,7 @@ class TieredKVEngine:
         self._l2: LowerTier | None = None
         self._closed = False
         self.dropped_on_close = 0
+        self.leaked_on_close = 0  # host bytes still referenced when the arena closed (a bug)
 
     # -- lifetime ---------------------------------------------------------------------------
     async def open(self) -> TieredKVEngine:
@@ -218,7 +219,7 @@ class TieredKVEngine:
             if mover is not None:
                 await mover.aclose()
             if arena is not None:
-                leaked = arena.close()
+                leaked = self.leaked_on_close = arena.close()
                 if leaked:
                     logger.error("tiered_kv: %d host bytes still referenced at close", leaked)
 
@@ -671,13 +672,19 @@ class SyncTieredKVEngine:
     several threads are serialized onto the engine's loop.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, mover: KVMover | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        mover: KVMover | None = None,
+        lower_tiers: Sequence[LowerTier] = (),
+    ) -> None:
         self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tiered-kv-loop", daemon=True
         )
         self._thread.start()
-        self._engine = TieredKVEngine(config, mover=mover)
+        self._engine = TieredKVEngine(config, mover=mover, lower_tiers=lower_tiers)
         self._closed = False
         try:
             self._call(self._engine.open())

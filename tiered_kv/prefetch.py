@@ -127,7 +127,9 @@ class PrefetchController:
             )
             load.task = task
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            # A callback, not the coroutine's `finally`: a task cancelled before its first step
+            # never runs its body, and the load's reference must still be dropped.
+            task.add_done_callback(lambda done, load=load: self._finish(load, done))
             self.counters.loads_started += 1
         load.obj.ref()
         load.holders += 1
@@ -152,10 +154,13 @@ class PrefetchController:
             return ok
         finally:
             load.running = False
-            if self._loads.get(load.key) is load:
-                del self._loads[load.key]
-            load.obj.unref()  # the load's own reference; holders and L1 keep theirs
-            self._maybe_settle(load)
+
+    def _finish(self, load: _Load, task: asyncio.Task[bool]) -> None:
+        self._tasks.discard(task)
+        if self._loads.get(load.key) is load:
+            del self._loads[load.key]
+        load.obj.unref()  # the load's own reference; holders and L1 keep theirs
+        self._maybe_settle(load)
 
     def release(self, load: _Load, *, keep_running: bool) -> None:
         """A holder drops its reference. A load nobody holds any more is cancelled, unless

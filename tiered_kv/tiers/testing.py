@@ -1,14 +1,17 @@
 """Test tools shipped with the library: an in-memory lower tier and a fault-injecting wrapper.
 
 `MemoryTier` keeps copies of chunks in plain Python bytes (no disk), `FaultyTier` wraps any
-`LowerTier` and fails a seeded subset of keys and/or delays every call, so faults are repeatable.
+`LowerTier` and fails a seeded subset of keys and/or delays calls (per operation), so faults are
+repeatable; its ``gate`` holds every read and write at a known await point until opened, which
+is how tests cancel at each stage deterministically. Benchmarks use the delays to stand in for a
+disk or network that the page cache hides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
@@ -49,14 +52,22 @@ class MemoryTier(LowerTier):
         return self._data.pop(key, None) is not None
 
     def stats(self) -> Mapping[str, int | float]:
-        return {"entries": len(self._data), "puts": self.puts, "gets": self.gets}
+        return {
+            "entries": len(self._data),
+            "bytes_used": sum(len(data) for _, _, data in self._data.values()),
+            "puts": self.puts,
+            "gets": self.gets,
+        }
 
     async def aclose(self) -> None:
         self.closed = True
 
 
 class FaultyTier(LowerTier):
-    """Fails ``put``/``get_into`` for a seeded subset of keys and sleeps ``delay_s`` per call."""
+    """Fails ``put``/``get_into`` for a seeded subset of keys and sleeps per call: ``delay_s``
+    for both, unless ``get_delay_s`` / ``put_delay_s`` say otherwise; ``contains_delay_s`` per
+    `contains_many` call (one round trip). While ``gate`` is set to an unset `asyncio.Event`,
+    reads and writes wait on it (after their delay)."""
 
     def __init__(
         self,
@@ -66,6 +77,9 @@ class FaultyTier(LowerTier):
         put_failure_rate: float = 0.0,
         get_failure_rate: float = 0.0,
         delay_s: float = 0.0,
+        get_delay_s: float | None = None,
+        put_delay_s: float | None = None,
+        contains_delay_s: float = 0.0,
         raise_errors: bool = False,
     ) -> None:
         self.inner = inner
@@ -74,15 +88,30 @@ class FaultyTier(LowerTier):
         self.put_failure_rate = put_failure_rate
         self.get_failure_rate = get_failure_rate
         self.delay_s = delay_s
+        self.get_delay_s = get_delay_s
+        self.put_delay_s = put_delay_s
+        self.contains_delay_s = contains_delay_s
         self.raise_errors = raise_errors
+        self.gate: asyncio.Event | None = None
         self.injected_failures = 0
+        self.calls = {"get": 0, "put": 0, "contains_many": 0}
+        self.active = 0  # reads and writes under way right now
+        self.max_active = 0
 
     def _fails(self, key: ChunkKey, op: str, rate: float) -> bool:
         return rate > 0 and random.Random(f"{self.seed}:{op}:{key.hex}").random() < rate
 
+    def _delay(self, op: str) -> float:
+        specific = self.get_delay_s if op == "get" else self.put_delay_s
+        return self.delay_s if specific is None else specific
+
     async def _inject(self, key: ChunkKey, op: str, rate: float) -> bool:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        self.calls[op] += 1
+        delay = self._delay(op)
+        if delay:
+            await asyncio.sleep(delay)
+        if self.gate is not None:
+            await self.gate.wait()
         if self._fails(key, op, rate):
             self.injected_failures += 1
             if self.raise_errors:
@@ -96,21 +125,43 @@ class FaultyTier(LowerTier):
     def contains(self, key: ChunkKey) -> bool:
         return self.inner.contains(key)
 
+    async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        self.calls["contains_many"] += 1
+        if self.contains_delay_s:
+            await asyncio.sleep(self.contains_delay_s)
+        return await self.inner.contains_many(keys)
+
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        if await self._inject(key, "put", self.put_failure_rate):
-            return False
-        return await self.inner.put(key, obj)
+        self._enter()
+        try:
+            if await self._inject(key, "put", self.put_failure_rate):
+                return False
+            return await self.inner.put(key, obj)
+        finally:
+            self.active -= 1
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        if await self._inject(key, "get", self.get_failure_rate):
-            return False
-        return await self.inner.get_into(key, obj)
+        self._enter()
+        try:
+            if await self._inject(key, "get", self.get_failure_rate):
+                return False
+            return await self.inner.get_into(key, obj)
+        finally:
+            self.active -= 1
+
+    def _enter(self) -> None:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
 
     async def remove(self, key: ChunkKey) -> bool:
         return await self.inner.remove(key)
 
     def stats(self) -> Mapping[str, int | float]:
-        return {**self.inner.stats(), "injected_failures": self.injected_failures}
+        return {
+            **self.inner.stats(),
+            "injected_failures": self.injected_failures,
+            "max_active": self.max_active,
+        }
 
     async def aclose(self) -> None:
         await self.inner.aclose()

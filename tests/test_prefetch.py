@@ -1,0 +1,388 @@
+"""Prefetch: lookup loads lower-tier chunks ahead of retrieve, dedup, gaps, L1 pressure, handles,
+and cancellation at every await point leaving no reservation behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
+from tiered_kv import EngineConfig, SyncTieredKVEngine, TieredKVEngine
+from tiered_kv.tiers.testing import FaultyTier, MemoryTier
+
+TOKENS = list(range(1000, 1100))  # 100 tokens: 3 full chunks of 32 and a partial of 4
+SRC, DST = list(range(7)), list(range(8, 15))
+
+
+def _config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = {"chunk_size": 32, "l1_size": "8MiB"}
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+async def _populate(engine: TieredKVEngine, tier: FaultyTier, tokens: list[int] = TOKENS) -> None:
+    """Store ``tokens`` and leave them in the lower tier only."""
+    delay = tier.delay_s, tier.get_delay_s
+    tier.delay_s, tier.get_delay_s = 0.0, 0.0
+    await engine.store(tokens, SRC)
+    await engine.flush()
+    await engine.evict_l1()
+    tier.delay_s, tier.get_delay_s = delay
+    assert engine.stats()["arena"]["used"] == 0
+
+
+async def _settle(engine: TieredKVEngine) -> None:
+    """Let cancelled loads and the mover's copies end (a cancelled scatter's worker thread
+    keeps its references until its copy is done), then check nothing is referenced: evicting
+    L1 frees every byte."""
+    for _ in range(400):
+        await engine.evict_l1()
+        stats = engine.stats()
+        if stats["prefetch"]["in_flight"] == 0 and stats["arena"]["used"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert stats["prefetch"]["in_flight"] == 0
+    assert stats["prefetch"]["reserved_bytes"] == 0
+    assert stats["arena"]["used"] == 0, "a reservation or reference leaked"
+
+
+@pytest.fixture
+def caches() -> KVCaches:
+    return make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+
+
+@pytest.fixture
+async def setup(caches: KVCaches) -> AsyncIterator[tuple[TieredKVEngine, FaultyTier]]:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.05)
+    engine = TieredKVEngine(_config(), lower_tiers=[tier])
+    async with engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await _populate(engine, tier)
+        yield engine, tier
+    assert engine.leaked_on_close == 0
+
+
+async def test_lookup_prefetch_hides_the_latency_when_lead_time_allows(
+    setup: tuple[TieredKVEngine, FaultyTier], caches: KVCaches
+) -> None:
+    engine, tier = setup
+    reference = caches.snapshot()
+    poison_blocks(caches, DST)
+    expected = caches.snapshot()
+    assert await engine.lookup(TOKENS) == 100
+    assert engine.stats()["prefetch"]["loads_started"] == 4
+    await asyncio.sleep(0.3)  # lead time: the scheduler's gap between lookup and retrieve
+    result = await engine.retrieve_detailed(TOKENS, DST)
+    assert (result.valid_tokens, result.stop_reason) == (100, "complete")
+    assert result.waited_s == 0.0
+    stats = engine.stats()["prefetch"]
+    assert (stats["ready_in_time"], stats["ready_after_wait"]) == (4, 0)
+    expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
+    assert caches.bytes_equal(expected)
+    assert tier.calls["get"] == 4
+    await _settle(engine)
+
+
+async def test_without_lead_time_retrieve_waits_for_the_same_loads(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    engine, tier = setup
+    assert await engine.lookup(TOKENS) == 100
+    result = await engine.retrieve_detailed(TOKENS, DST)  # wait_complete by default
+    assert result.valid_tokens == 100 and result.waited_s > 0
+    stats = engine.stats()["prefetch"]
+    assert (
+        stats["ready_after_wait"] >= 1 and stats["ready_in_time"] + stats["ready_after_wait"] == 4
+    )
+    assert tier.calls["get"] == 4  # retrieve consumed lookup's loads, it did not start its own
+    await _settle(engine)
+
+
+async def test_concurrent_prefetches_of_one_prefix_share_their_loads(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    engine, tier = setup
+    tier.gate = asyncio.Event()
+    first = await engine.prefetch(TOKENS)
+    second = await engine.prefetch(TOKENS)
+    other = await engine.prefetch(TOKENS[:64] + list(range(5000, 5040)))  # shares 2 chunks
+    assert await engine.lookup(TOKENS) == 100
+    stats = engine.stats()["prefetch"]
+    assert stats["loads_started"] == 4
+    assert stats["loads_deduplicated"] == 4 + 2 + 4
+    assert not first.done() and first.ready_tokens() == 0
+    tier.gate.set()
+    assert await first == 100
+    assert await second.wait() == 100 and second.done()
+    assert await other == 64  # the prefix of `other` in the cache ends after two chunks
+    assert tier.calls["get"] == 4
+    assert await engine.retrieve(TOKENS, DST) == 100
+    for handle in (first, second, other):
+        handle.cancel()
+    await _settle(engine)
+
+
+async def test_a_gap_ends_the_prefix_and_nothing_past_it_is_loaded(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    engine, tier = setup
+    keys = engine.chunk_keys(TOKENS)
+    assert await tier.remove(keys[1])
+    assert await engine.lookup(TOKENS) == 32
+    assert engine.stats()["prefetch"]["loads_started"] == 1
+    result = await engine.retrieve_detailed(TOKENS, DST)
+    assert (result.valid_tokens, result.cached_tokens, result.stop_reason) == (32, 32, "gap")
+    assert tier.calls["get"] == 1
+    await _settle(engine)
+
+
+async def test_a_failed_load_ends_the_delivered_prefix_and_is_reported(
+    caches: KVCaches,
+) -> None:
+    probe = FaultyTier(MemoryTier(), get_failure_rate=0.5)
+    async with TieredKVEngine(_config(), lower_tiers=[probe]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        keys = engine.chunk_keys(TOKENS)
+    # A seed whose failures hit chunk 1 only: the outcome is repeatable.
+    seed = next(
+        s
+        for s in range(1000)
+        if [FaultyTier(MemoryTier(), seed=s)._fails(k, "get", 0.5) for k in keys]
+        == [False, True, False, False]
+    )
+    tier = FaultyTier(MemoryTier(), seed=seed)
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await _populate(engine, tier)
+        tier.get_failure_rate = 0.5
+        assert await engine.lookup(TOKENS) == 100
+        result = await engine.retrieve_detailed(TOKENS, DST)
+        assert result.valid_tokens == 32
+        assert (result.stop_reason, result.failed_chunks) == ("failed", (1,))
+        assert result.cached_tokens == 100 and result.recompute_tokens == 68
+        stats = engine.stats()
+        assert stats["prefetch"]["failed"] == 1
+        assert stats["engine"]["retrieve_failed_tokens"] == 68
+        await _settle(engine)
+    assert engine.leaked_on_close == 0
+
+
+async def test_prefetch_stops_under_l1_pressure_and_never_evicts_referenced_chunks() -> None:
+    # 32-token chunks of 2 layers x 2 x 8 x 128 bf16 are 256 KiB; L1 is 1 MiB (four chunks).
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
+    tier = FaultyTier(MemoryTier())
+    config = _config(l1_size="1MiB", prefetch_l1_fraction=0.5)
+    async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        for end in (32, 64, 96, 100):
+            await engine.store(TOKENS[:end], SRC)
+            await engine.flush()
+        await engine.evict_l1()
+        tier.gate = asyncio.Event()
+        handle = await engine.prefetch(TOKENS)
+        stats = engine.stats()["prefetch"]
+        assert stats["loads_started"] == 2 and stats["stopped_budget"] == 1  # half of L1
+        assert handle.reserved_chunks() == 2
+        tier.gate.set()
+        assert await handle == 64  # the reserved part; the rest is loaded by retrieve
+        assert await engine.evict_l1() == 0  # both chunks are referenced by the handle
+        assert engine.stats()["l1"]["entries"] == 2
+        # Everything the handle does not hold may be evicted; what it holds never is.
+        other = await engine.prefetch(TOKENS)
+        assert other.reserved_chunks() == 0  # the budget is spent: stop rather than thrash
+        other.cancel()
+        assert await engine.retrieve(TOKENS, DST) == 100
+        handle.cancel()
+        await _settle(engine)
+    assert engine.leaked_on_close == 0
+
+
+async def test_prefetch_without_room_in_l1_stops_with_no_space() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
+    tier = FaultyTier(MemoryTier())
+    config = _config(l1_size="640KiB", prefetch_l1_fraction=1.0)
+    async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        for end in (32, 64, 96, 100):
+            await engine.store(TOKENS[:end], SRC)
+            await engine.flush()
+        await engine.evict_l1()
+        assert engine._arena is not None
+        held = engine._arena.allocate(256 * 1024)  # someone else's bytes
+        assert held is not None
+        handle = await engine.prefetch(TOKENS)
+        assert handle.reserved_chunks() == 1
+        assert engine.stats()["prefetch"]["stopped_no_space"] == 1
+        assert await handle == 32
+        handle.cancel()
+        engine._arena.free(held)
+        await _settle(engine)
+
+
+async def test_each_registration_prefetches_with_its_own_layout() -> None:
+    bf16 = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    mla = make_caches("mla", torch.int8, num_blocks=16, seed=1)
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.01)
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        desc_a = engine.register_kv_caches(bf16.entries, model_name="a")
+        desc_b = engine.register_kv_caches(mla.entries, model_name="b")
+        assert desc_a.layout_id != desc_b.layout_id
+        await engine.store(TOKENS, SRC, model_name="a")
+        await engine.store(TOKENS, SRC, model_name="b")
+        await engine.flush()
+        await engine.evict_l1()
+        assert await engine.lookup(TOKENS, model_name="a") == 100
+        assert await engine.lookup(TOKENS, model_name="b") == 100
+        assert engine.stats()["prefetch"]["loads_started"] == 8
+        for caches, model in ((bf16, "a"), (mla, "b")):
+            reference = caches.snapshot()
+            poison_blocks(caches, DST)
+            expected = caches.snapshot()
+            assert await engine.retrieve(TOKENS, DST, model_name=model) == 100
+            expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
+            assert caches.bytes_equal(expected)
+        await _settle(engine)
+
+
+async def test_repeated_lookups_of_a_waiting_request_reuse_one_prefetch(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    engine, _ = setup
+    for _ in range(5):
+        assert await engine.lookup(TOKENS) == 100
+    stats = engine.stats()
+    assert stats["prefetch"]["loads_started"] == 4
+    assert stats["engine"]["implicit_prefetches"] == 1
+    assert await engine.retrieve(TOKENS, DST) == 100
+    await _settle(engine)
+
+
+async def test_lookups_never_retrieved_are_bounded(caches: KVCaches) -> None:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.05)
+    config = _config(prefetch_max_pending=2)
+    async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        prompts = [list(range(base, base + 64)) for base in (0, 10_000, 20_000, 30_000)]
+        for prompt in prompts:
+            await _populate(engine, tier, prompt)
+        for prompt in prompts:
+            assert await engine.lookup(prompt) == 64
+        stats = engine.stats()
+        assert stats["engine"]["implicit_prefetches_abandoned"] == 2
+        assert stats["prefetch"]["cancelled"] == 4
+        assert stats["prefetch"]["live_handles"] == 2
+        await _settle_after_cancel(engine)
+
+
+async def _settle_after_cancel(engine: TieredKVEngine) -> None:
+    for _ in range(200):
+        if engine.stats()["prefetch"]["in_flight"] == 0:
+            break
+        await asyncio.sleep(0.005)
+
+
+async def test_handle_dropped_without_cancel_frees_its_reservations(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    engine, tier = setup
+    tier.gate = asyncio.Event()
+    handle = await engine.prefetch(TOKENS)
+    assert handle.reserved_chunks() == 4
+    del handle
+    gc.collect()
+    await asyncio.sleep(0)  # the finalizer hops to the loop
+    await asyncio.sleep(0)
+    assert engine.stats()["prefetch"]["cancelled"] == 4
+    tier.gate.set()
+    await _settle(engine)
+
+
+async def test_close_with_live_handles_and_loads_frees_everything(caches: KVCaches) -> None:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.0)
+    engine = TieredKVEngine(_config(), lower_tiers=[tier])
+    async with engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await _populate(engine, tier)
+        tier.gate = asyncio.Event()
+        handle = await engine.prefetch(TOKENS)
+        assert await engine.lookup(TOKENS) == 100
+        await asyncio.sleep(0.01)
+    assert handle.released and engine.leaked_on_close == 0
+
+
+# Await points of a prefetch + retrieve, reached in turn as the loop advances: the lookup's
+# batched contains_many, the load's delay, the tier slot, the read, retrieve's wait for a load,
+# the mover's scatter, the release. Cancelling after every number of loop turns hits each one.
+@pytest.mark.parametrize("turns", [0, 1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 25, 40])
+@pytest.mark.parametrize("target", ["retrieve", "handle"])
+@pytest.mark.parametrize("gated", [False, True], ids=["free", "reads-held"])
+async def test_cancellation_at_every_await_point_leaves_no_reservation(
+    caches: KVCaches, turns: int, target: str, gated: bool
+) -> None:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.0, contains_delay_s=0.0)
+    engine = TieredKVEngine(_config(prefetch_concurrency=1), lower_tiers=[tier])
+    async with engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await _populate(engine, tier)
+
+        async def request() -> int:
+            if target == "handle":
+                handle = await engine.prefetch(TOKENS)
+                try:
+                    return await handle
+                finally:
+                    handle.cancel()
+            await engine.lookup(TOKENS)
+            return await engine.retrieve(TOKENS, DST)
+
+        if gated:  # every read blocks inside the tier until the request is cancelled
+            tier.gate = asyncio.Event()
+        task = asyncio.create_task(request())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if tier.gate is not None:
+            tier.gate.set()
+        await _settle(engine)
+        # Whatever was cancelled, the cache still serves the prefix afterwards.
+        assert await engine.lookup(TOKENS) == 100
+        assert await engine.retrieve(TOKENS, DST) == 100
+        await _settle(engine)
+    assert engine.leaked_on_close == 0
+
+
+def test_blocking_facade_prefetch_handle_with_the_real_l2(tmp_path: Path) -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    config = _config(l2_path=str(tmp_path / "l2"))
+    with SyncTieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert engine.store(TOKENS, SRC) == 100
+        engine.flush()
+        engine.evict_l1()
+        handle = engine.prefetch(TOKENS)
+        assert handle.hit_tokens == 100
+        assert handle.wait(timeout=10) == 100
+        assert handle.done() and handle.ready_tokens() == 100
+        assert engine.stats()["prefetch"]["loads_started"] == 4
+        reference = caches.snapshot()
+        poison_blocks(caches, DST)
+        expected = caches.snapshot()
+        result = engine.retrieve_detailed(TOKENS, DST)
+        assert (result.valid_tokens, result.stop_reason) == (100, "complete")
+        expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
+        assert caches.bytes_equal(expected)
+        handle.cancel()
+        handle.cancel()  # idempotent
+        engine.evict_l1()
+        assert engine.stats()["arena"]["used"] == 0
+        pending = engine.prefetch(TOKENS)  # left to close
+        assert pending.hit_tokens == 100
+    assert engine.engine.leaked_on_close == 0
