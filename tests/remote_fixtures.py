@@ -207,3 +207,46 @@ def env(**values: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+CHUNK = 32
+BLOCK = 16
+
+
+def tokens_for(n: int, seed: int) -> list[int]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 50_000, (n,), generator=gen)]
+
+
+async def store_and_drop_l1(engine: object, caches: object, tokens: list[int]) -> list[int]:
+    """Store ``tokens`` from blocks 1.., wait for lower-tier writes, evict L1; the src blocks."""
+    from tiered_kv import TieredKVEngine
+
+    assert isinstance(engine, TieredKVEngine)
+    blocks = list(range(1, 1 + -(-len(tokens) // BLOCK)))
+    assert await engine.store(tokens, blocks) == len(tokens)
+    assert await engine.flush(timeout=30) == 0
+    assert await engine.evict_l1() > 0
+    return blocks
+
+
+async def retrieve_bit_exact(
+    engine: object, caches: object, tokens: list[int], src_blocks: list[int]
+) -> None:
+    """lookup finds every token; retrieve into other blocks writes exactly the stored bytes."""
+    from tests.kvfactory import KVCaches, expect_copy, poison_blocks
+    from tiered_kv import TieredKVEngine
+
+    assert isinstance(engine, TieredKVEngine)
+    assert isinstance(caches, KVCaches)
+    n = len(tokens)
+    dst_blocks = [src_blocks[-1] + 1 + i for i in range(len(src_blocks))][::-1]
+    assert await engine.lookup(tokens) == n
+    reference = caches.snapshot()
+    poison_blocks(caches, dst_blocks)
+    expected = caches.snapshot()
+    assert await engine.retrieve(tokens, dst_blocks) == n
+    expect_copy(caches, expected, reference, src_blocks, dst_blocks, range(n), BLOCK)
+    assert caches.bytes_equal(expected)

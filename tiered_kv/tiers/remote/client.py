@@ -206,18 +206,21 @@ class _Connection(asyncio.BufferedProtocol):
         while self._drained is not None and self.is_open:
             await self._drained.wait()
 
-    def forget(self, pending: _Pending) -> None:
-        """The caller gave up on ``pending``; keep the connection only if that is safe."""
+    def forget(self, pending: _Pending) -> bool:
+        """The caller is done with ``pending``; if it is still unanswered and lent buffers,
+        drop the connection (True), the only way to keep the socket off those buffers."""
         for request_id, item in list(self.pending.items()):
             if item is pending:
                 del self.pending[request_id]
                 break
         else:
-            return  # already answered
-        if pending.lends_buffers:
+            return False  # answered (or failed with the connection)
+        if pending.lends_buffers and self.transport is not None:
             # Unsent bytes may still point into the caller's buffers, or the answer may still
             # be on its way into them: only dropping the connection stops both.
             self.abort()
+            return True
+        return False
 
     def abort(self) -> None:
         self.reader.stopped = True
@@ -353,10 +356,9 @@ class RemoteClient:
                 f"{timeout_s or self.options.timeout_s}s"
             ) from None
         finally:
-            if connection is not None and pending is not None and not pending.future.done():
-                if pending.lends_buffers:
-                    self.aborted_connections += 1
-                connection.forget(pending)
+            # Not ``pending.future.done()``: cancelling our await cancels the future too.
+            if connection is not None and pending is not None and connection.forget(pending):
+                self.aborted_connections += 1
 
     # -- operations -------------------------------------------------------------------------
     async def ping(self, payload: bytes = b"") -> float:
