@@ -90,19 +90,22 @@ async def test_many_pipelined_requests_on_few_connections(
 async def test_capacity_bound_evicts_least_recently_used() -> None:
     payload = os.urandom(60_000)
     size = len(frame_bytes(b"a", payload))
-    async with RemoteCacheServer(ServerOptions(port=0, capacity=3 * size + 10)) as server:
-        async with RemoteClient("127.0.0.1", server.port) as client:
-            for key in (b"a", b"b", b"c"):
-                await client.put(key, frame(key, payload))
-            assert await client.get(b"a") is not None  # a is now the most recent
-            await client.put(b"d", frame(b"d", payload))
-            assert await client.exists([b"a", b"b", b"c", b"d"]) == [True, False, True, True]
-            stats = server.stats()
-            assert stats["bytes_used"] <= server.options.capacity
-            assert stats["evictions"] == 1
-            with pytest.raises(RemoteError, match="NO_SPACE"):
-                await client.put(b"big", frame(b"big", os.urandom(4 * size)))
-            assert await client.exists([b"d"]) == [True]  # the connection still works
+    options = ServerOptions(port=0, capacity=3 * size + 10)
+    async with (
+        RemoteCacheServer(options) as server,
+        RemoteClient("127.0.0.1", server.port) as client,
+    ):
+        for key in (b"a", b"b", b"c"):
+            await client.put(key, frame(key, payload))
+        assert await client.get(b"a") is not None  # a is now the most recent
+        await client.put(b"d", frame(b"d", payload))
+        assert await client.exists([b"a", b"b", b"c", b"d"]) == [True, False, True, True]
+        stats = server.stats()
+        assert stats["bytes_used"] <= server.options.capacity
+        assert stats["evictions"] == 1
+        with pytest.raises(RemoteError, match="NO_SPACE"):
+            await client.put(b"big", frame(b"big", os.urandom(4 * size)))
+        assert await client.exists([b"d"]) == [True]  # the connection still works
 
 
 async def test_put_of_something_else_than_a_chunk_frame_is_refused(
@@ -261,8 +264,18 @@ def test_cli_serve_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
     token_file.write_text("t0ken\n")
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(port)]
-        + ["--capacity", "64MiB", "--token-file", str(token_file)],
+        [
+            sys.executable,
+            "-m",
+            "tiered_kv.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--capacity",
+            "64MiB",
+            "--token-file",
+            str(token_file),
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
