@@ -33,6 +33,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 def _redis_missing(what: str) -> None:
     message = f"{what}: redis-server is not installed (apt-get install -y redis-server)"
     if os.environ.get(REDIS_URL_ENV) or os.environ.get("CI"):
@@ -122,7 +139,11 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         _redis_missing("Redis Cluster tests")
     root = tmp_path_factory.mktemp("redis-cluster")
-    ports = [free_port() for _ in range(3)]
+    ports: list[int] = []
+    while len(ports) < 3:
+        port = free_cluster_port()
+        if port not in ports:
+            ports.append(port)
     processes: list[subprocess.Popen[bytes]] = []
     try:
         for port in ports:

@@ -186,13 +186,50 @@ def test_l2_write_queue_wrong_type(queue: object) -> None:
         EngineConfig(l2_write_queue=queue)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("url", ["redis://localhost:6379", "", "tkv://127.0.0.1:7000"])
-def test_l3_url_is_refused(url: str) -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost:6379",
+        "rediss://:pw@cache:6380/1",
+        "valkey://localhost",
+        "redis+cluster://10.0.0.1:7000",
+        "tkv://127.0.0.1:7000",
+    ],
+)
+def test_l3_url_is_accepted(url: str) -> None:
+    assert EngineConfig(l3_url=url).l3_url == url
+
+
+@pytest.mark.parametrize(
+    "url", ["", "memcached://h:1", "tkv://127.0.0.1", "tkv://:7000", "redis://h:notaport"]
+)
+def test_bad_l3_url_is_refused(url: str) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig(l3_url=url)
     message = str(info.value)
     assert message.startswith("l3_url:")
     assert repr(url) in message
+
+
+def test_l3_options_validate_and_come_from_env() -> None:
+    with pytest.raises(ConfigError, match=r"^l3_timeout_s:"):
+        EngineConfig(l3_timeout_s=0)
+    with pytest.raises(ConfigError, match=r"^l3_ttl_s:"):
+        EngineConfig(l3_ttl_s=-1)
+    with pytest.raises(ConfigError, match=r"^l3_pool_size:"):
+        EngineConfig(l3_pool_size=0)
+    config = EngineConfig.from_env(
+        {
+            "TIERED_KV_L3_URL": "tkv://h:1",
+            "TIERED_KV_L3_TIMEOUT_S": "0.5",
+            "TIERED_KV_L3_TTL_S": "60",
+            "TIERED_KV_L3_POOL_SIZE": "2",
+            "TIERED_KV_L3_KEY_PREFIX": "p",
+            "TIERED_KV_L3_TOKEN_FILE": "/t",
+        }
+    )
+    assert (config.l3_timeout_s, config.l3_ttl_s, config.l3_pool_size) == (0.5, 60.0, 2)
+    assert (config.l3_key_prefix, config.l3_token_file) == ("p", "/t")
 
 
 @pytest.mark.parametrize("field", ["namespace", "fingerprint"])
@@ -313,7 +350,7 @@ def test_from_env_values_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"^chunk_size: must be in"):
         EngineConfig.from_env({"TIERED_KV_CHUNK_SIZE": "0"})
     with pytest.raises(ConfigError, match=r"^l3_url:"):
-        EngineConfig.from_env({"TIERED_KV_L3_URL": "redis://x"})
+        EngineConfig.from_env({"TIERED_KV_L3_URL": "redis:/x"})
 
 
 def test_from_env_empty_l3_url_means_none() -> None:

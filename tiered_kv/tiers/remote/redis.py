@@ -17,6 +17,7 @@ piece as it lands. The built-in ``tkv://`` server avoids both.
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +91,7 @@ class RedisConnector(RemoteConnector):
         if password is not None and parts.password is None:
             self._kwargs["password"] = password
         self._client: Any = None
+        self._init_lock = asyncio.Lock()
 
     def name(self, key: ChunkKey) -> str:
         return redis_key_name(self.key_prefix, key)
@@ -103,14 +105,19 @@ class RedisConnector(RemoteConnector):
             self._client = redis.asyncio.Redis.from_url(self._url, **self._kwargs)
 
     async def _redis(self) -> Any:
-        if self._client is None:
-            client = redis.asyncio.cluster.RedisCluster.from_url(self._url, **self._kwargs)
-            try:
-                await client.initialize()
-            except BaseException:
-                await client.aclose()
-                raise
-            self._client = client
+        if self._client is not None:
+            return self._client
+        # Concurrent first requests must share one cluster client, not each build (and leak)
+        # their own.
+        async with self._init_lock:
+            if self._client is None:
+                client = redis.asyncio.cluster.RedisCluster.from_url(self._url, **self._kwargs)
+                try:
+                    await client.initialize()
+                except BaseException:
+                    await client.aclose()
+                    raise
+                self._client = client
         return self._client
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:

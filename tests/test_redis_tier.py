@@ -1,0 +1,190 @@
+"""The L3 tier over real Redis (and a real three-node Redis Cluster): round trips, tenants,
+corrupt values, TTL, failures as misses. Needs redis-server: see tests/remote_fixtures.py."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+import torch
+
+from tests.kvfactory import make_caches
+from tests.remote_fixtures import (  # noqa: F401
+    BLOCK,
+    CHUNK,
+    free_port,
+    key_prefix,
+    redis_cluster_url,
+    redis_url,
+    retrieve_bit_exact,
+    store_and_drop_l1,
+    tokens_for,
+)
+from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.tiers.l3_remote import RemoteTier
+from tiered_kv.tiers.remote.redis import RedisConnector, redis_key_name
+
+
+def _config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l2_fsync": False}
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+async def _keys(url: str, pattern: str) -> list[bytes]:
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        return sorted([key async for key in client.scan_iter(match=pattern)])
+    finally:
+        await client.aclose()
+
+
+async def test_engine_round_trip_through_redis(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    caches = make_caches("flashinfer_hnd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
+    tokens = tokens_for(3 * CHUNK + 5, seed=11)
+    config = _config(
+        l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=redis_url, l3_key_prefix=key_prefix
+    )
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        src = await store_and_drop_l1(engine, caches, tokens)
+        await retrieve_bit_exact(engine, caches, tokens, src)
+        stats = engine.stats()
+        assert stats["l3"]["puts"] == 4
+        assert stats["storage"]["hits_l3"] >= 3
+    names = await _keys(redis_url, f"{key_prefix}:*")
+    assert len(names) == 4
+    assert all(name.startswith(f"{key_prefix}::".encode()) for name in names)  # namespace ""
+    # L3 only, a new process: everything from Redis.
+    async with TieredKVEngine(_config(l3_url=redis_url, l3_key_prefix=key_prefix)) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        await retrieve_bit_exact(engine, caches, tokens, src)
+        assert engine.stats()["l3"]["hits"] == 4
+
+
+async def test_tenants_are_separate_key_spaces(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    caches = make_caches("vllm_nhd", torch.float16, num_blocks=16, block_size=BLOCK)
+    tokens = tokens_for(64, seed=12)
+    shared = {"l3_url": redis_url, "l3_key_prefix": key_prefix}
+    async with TieredKVEngine(_config(namespace="alice/{x}", **shared)) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        src = await store_and_drop_l1(engine, caches, tokens)
+    async with TieredKVEngine(_config(namespace="bob", **shared)) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.lookup(tokens) == 0
+    names = await _keys(redis_url, f"{key_prefix}:*")
+    quoted = urllib.parse.quote("alice/{x}", safe="")
+    assert len(names) == 2
+    assert all(name.startswith(f"{key_prefix}:{quoted}:".encode()) for name in names)
+    assert all(b"{" not in name for name in names)  # no hash tag sneaks in
+    async with TieredKVEngine(_config(namespace="alice/{x}", **shared)) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await retrieve_bit_exact(engine, caches, tokens, src)
+
+
+async def test_corrupt_value_is_a_miss_and_removed_and_ttl_applies(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
+    tokens = tokens_for(32, seed=13)
+    config = _config(l3_url=redis_url, l3_key_prefix=key_prefix, l3_ttl_s=60)
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await store_and_drop_l1(engine, caches, tokens)
+        (key,) = engine.chunk_keys(tokens)
+        name = redis_key_name(key_prefix, key)
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            ttl = await client.pttl(name)
+            assert 50_000 < ttl <= 60_000
+            value = bytearray(await client.get(name))
+            value[-1] ^= 0x01
+            await client.set(name, bytes(value))
+            assert await engine.lookup(tokens) == 32  # EXISTS says yes ...
+            assert await engine.retrieve(tokens, [5, 6]) == 0  # ... the checksum says no
+            assert not await client.exists(name)
+        finally:
+            await client.aclose()
+        stats = engine.stats()["l3"]
+        assert stats["corrupt"] == 1
+        assert stats["corrupt_removed"] == 1
+
+
+async def test_redis_down_is_only_misses() -> None:
+    port = free_port()  # nothing listens there
+    connector = RedisConnector(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
+    tokens = tokens_for(64, seed=14)
+    tier = RemoteTier(connector, timeout_s=0.5)
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        await store_and_drop_l1(engine, caches, tokens)
+        assert await engine.lookup(tokens) == 0
+    stats = tier.stats()
+    assert stats["put_failures"] == 2
+    assert stats["exists_failures"] == 1
+
+
+async def test_cluster_routes_keys_across_slots(
+    redis_cluster_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    caches = make_caches("separate", torch.bfloat16, num_blocks=50, block_size=BLOCK)
+    tokens = tokens_for(12 * CHUNK, seed=15)
+    config = _config(l3_url=redis_cluster_url, l3_key_prefix=key_prefix)
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        src = await store_and_drop_l1(engine, caches, tokens)
+        await retrieve_bit_exact(engine, caches, tokens, src)
+        assert engine.stats()["l3"]["hits"] == 12
+        keys = engine.chunk_keys(tokens)
+    # The chunks really are spread over the cluster's nodes (a batch EXISTS spans slots).
+    cluster = redis.asyncio.RedisCluster.from_url(redis_cluster_url.replace("+cluster", ""))
+    try:
+        await cluster.initialize()
+        nodes = {cluster.get_node_from_key(redis_key_name(key_prefix, key)).name for key in keys}
+        assert len(nodes) >= 2
+    finally:
+        await cluster.aclose()
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        assert await engine.lookup(tokens) == 12 * CHUNK
+        assert engine.stats()["l3"]["exists_calls"] == 1
+
+
+async def test_connector_batches_in_one_pipeline(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    connector = RedisConnector(redis_url, key_prefix=key_prefix)
+    await connector.open()
+    try:
+        from tiered_kv.keys import KeyScope, chunk_keys
+
+        keys = chunk_keys(KeyScope("", "m", "", 1, 0, "x"), list(range(512 * 4)), 4)
+        assert await connector.exists(keys) == [False] * 512
+        stats = await connector.remote_stats()
+        assert "used_memory" in stats
+        assert await connector.delete(keys[:2]) == [False, False]
+    finally:
+        await connector.aclose()
+        await connector.aclose()
+    await asyncio.sleep(0)
+
+
+def test_unknown_scheme_is_refused() -> None:
+    from tiered_kv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scheme"):
+        RedisConnector("memcached://h:1")
