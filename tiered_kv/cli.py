@@ -320,6 +320,35 @@ def run_inspect(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 0
 
 
+# -- serve --------------------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace) -> int:
+    from tiered_kv.config import parse_size
+    from tiered_kv.errors import ConfigError
+    from tiered_kv.tiers.l3_remote import read_token_file
+    from tiered_kv.tiers.remote.server import ServerOptions, serve
+
+    try:
+        token = None if args.token_file is None else read_token_file(args.token_file)
+        options = ServerOptions(
+            host=args.host,
+            port=args.port,
+            capacity=parse_size(args.capacity, name="capacity"),
+            token=token,
+        )
+    except ConfigError as exc:
+        print(f"tiered-kv serve: {exc}", file=sys.stderr)
+        return 2
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(serve(options))
+    except OSError as exc:
+        print(f"tiered-kv serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
+    return 0
+
+
 # -- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiered-kv", description=__doc__)
@@ -336,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cpu", action="store_true", help="use CPU tensors even with a GPU")
     inspect = sub.add_parser("inspect", help="list the chunks an L2 directory holds")
     inspect.add_argument("directory")
+    serve = sub.add_parser("serve", help="run the built-in remote cache server (tkv://)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=7474, help="0 picks a free port")
+    serve.add_argument("--capacity", default="64GiB", help="bytes of chunks kept (LRU beyond)")
+    serve.add_argument("--token-file", default=None, help="shared token clients must present")
     return parser
 
 
@@ -349,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.close()
     if args.command == "inspect":
         return run_inspect(args)
+    if args.command == "serve":
+        return run_serve(args)
     raise AssertionError(args.command)
 
 

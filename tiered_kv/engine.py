@@ -598,7 +598,10 @@ class TieredKVEngine:
             for transfer in batch:
                 transfer.obj.unref()
             batch.clear()
-            handle.release_unused()
+            if stop_reason == "failed":
+                handle.cancel()  # loading past a miss is wasted work
+            else:
+                handle.release_unused()  # late loads finish into L1 for the next request
         if stop_reason in ("complete", "gap"):
             cached_end = delivered
         else:
