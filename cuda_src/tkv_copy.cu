@@ -8,9 +8,9 @@
 // [t_begin, num_tokens) of it. Gather reads every such row; scatter writes only those rows, so
 // the rows before t_begin (skip_prefix_tokens) are never touched on the GPU.
 //
-// Each warp copies one row at a time with vectors of V (16/8/4/2/1 bytes: the widest that divides
-// head_bytes, every stride and every base address), loading TKV_UNROLL vectors per lane before
-// storing them, so enough bytes are in flight to cover PCIe latency on the mapped path.
+// Copies use vectors of V (16/8/4/2/1 bytes: the widest that divides head_bytes, every stride and
+// every base address), TKV_UNROLL loads in flight per thread before the stores, so enough bytes
+// are in flight to cover PCIe latency on the mapped path.
 // Compiled at run time by NVRTC (tiered_kv/gpu/kernels.py); no headers needed.
 
 #define TKV_MAX_JOBS 32
@@ -42,50 +42,65 @@ struct TkvParams {
     TkvJob jobs[TKV_MAX_JOBS];
 };
 
+// Address of vector `idx` of a job (idx counts vectors row-major over (layer, k, token, vector)).
+// 32-bit index math: the mover splits work so that a job has fewer than 2^31 vectors.
+template <typename V>
+__device__ __forceinline__ void tkv_address(const TkvParams& p, const TkvJob& job, unsigned idx,
+                                            unsigned vec_per_row, unsigned vec_per_head,
+                                            unsigned rows_per_lk, V** paged, V** host) {
+    const unsigned row = idx / vec_per_row;
+    const unsigned v = idx - row * vec_per_row;
+    const unsigned lk = row / rows_per_lk;  // (layer - layer_begin) * kv_count + k
+    const unsigned t = job.t_begin + (row - lk * rows_per_lk);
+    const unsigned layer_off = lk / (unsigned)p.kv_count;
+    const unsigned k = lk - layer_off * (unsigned)p.kv_count;
+    const unsigned pos = (unsigned)job.token_start + t;
+    const unsigned block_index = pos / (unsigned)p.block_size;
+    const long long block = p.block_ids[block_index];
+    const unsigned in_block = pos - block_index * (unsigned)p.block_size;
+    const unsigned h = v / vec_per_head;
+    const unsigned o = v - h * vec_per_head;
+    char* base = (char*)p.layer_ptrs[(job.layer_begin + layer_off) * p.kv_count + k];
+    *paged = (V*)(base + block * p.block_stride + (long long)in_block * p.pos_stride +
+                  (long long)h * p.head_stride) + o;
+    const long long host_row = (long long)lk * job.num_tokens + t;
+    *host = (V*)((char*)job.host + host_row * ((long long)vec_per_row * sizeof(V))) + v;
+}
+
+// Every thread copies TKV_UNROLL vectors per step (all loads, then all stores), striding over the
+// job's vectors, so rows of any length keep all lanes busy (132-byte rows are 33 4-byte vectors).
 template <typename V, bool TO_HOST>
-__device__ __forceinline__ void tkv_copy_rows(const TkvParams& p) {
+__device__ __forceinline__ void tkv_copy(const TkvParams& p) {
     const TkvJob& job = p.jobs[blockIdx.y];
-    const int rows_per_lk = job.num_tokens - job.t_begin;
-    if (rows_per_lk <= 0) return;
-    const long long rows = (long long)(job.layer_end - job.layer_begin) * p.kv_count * rows_per_lk;
-    const int vec_per_head = p.head_bytes / (int)sizeof(V);
-    const int vec_per_row = vec_per_head * p.num_heads;
-    const long long row_bytes = (long long)p.head_bytes * p.num_heads;
-    const int warps = blockDim.x >> 5;
-    const int lane = threadIdx.x & 31;
-    for (long long row = (long long)blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
-         row += (long long)gridDim.x * warps) {
-        const int t = job.t_begin + (int)(row % rows_per_lk);
-        const long long lk = row / rows_per_lk;  // (layer - layer_begin) * kv_count + k
-        const int k = (int)(lk % p.kv_count);
-        const int layer = job.layer_begin + (int)(lk / p.kv_count);
-        const int pos = job.token_start + t;
-        const long long block = p.block_ids[pos / p.block_size];
-        char* paged = (char*)p.layer_ptrs[layer * p.kv_count + k] + block * p.block_stride +
-                      (long long)(pos % p.block_size) * p.pos_stride;
-        V* host = (V*)((char*)job.host + (lk * job.num_tokens + t) * row_bytes);
-        for (int base = lane; base < vec_per_row; base += 32 * TKV_UNROLL) {
-            V buf[TKV_UNROLL];
+    if (job.num_tokens <= job.t_begin) return;
+    const unsigned rows_per_lk = (unsigned)(job.num_tokens - job.t_begin);
+    const unsigned vec_per_head = (unsigned)p.head_bytes / (unsigned)sizeof(V);
+    const unsigned vec_per_row = vec_per_head * (unsigned)p.num_heads;
+    const unsigned total =
+        (unsigned)(job.layer_end - job.layer_begin) * p.kv_count * rows_per_lk * vec_per_row;
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned first = blockIdx.x * blockDim.x + threadIdx.x; first < total;
+         first += stride * TKV_UNROLL) {
+        V buf[TKV_UNROLL];
+        V* paged[TKV_UNROLL];
+        V* host[TKV_UNROLL];
 #pragma unroll
-            for (int u = 0; u < TKV_UNROLL; ++u) {
-                const int v = base + u * 32;
-                if (v < vec_per_row) {
-                    const int h = v / vec_per_head;
-                    const V* src_paged =
-                        (const V*)(paged + h * p.head_stride) + (v - h * vec_per_head);
-                    buf[u] = TO_HOST ? *src_paged : host[v];
-                }
+        for (int u = 0; u < TKV_UNROLL; ++u) {
+            const unsigned idx = first + u * stride;
+            if (idx < total) {
+                tkv_address<V>(p, job, idx, vec_per_row, vec_per_head, rows_per_lk, &paged[u],
+                               &host[u]);
+                buf[u] = TO_HOST ? __ldg(paged[u]) : *host[u];
             }
+        }
 #pragma unroll
-            for (int u = 0; u < TKV_UNROLL; ++u) {
-                const int v = base + u * 32;
-                if (v < vec_per_row) {
-                    if (TO_HOST) {
-                        host[v] = buf[u];
-                    } else {
-                        const int h = v / vec_per_head;
-                        *((V*)(paged + h * p.head_stride) + (v - h * vec_per_head)) = buf[u];
-                    }
+        for (int u = 0; u < TKV_UNROLL; ++u) {
+            const unsigned idx = first + u * stride;
+            if (idx < total) {
+                if (TO_HOST) {
+                    *host[u] = buf[u];
+                } else {
+                    *paged[u] = buf[u];
                 }
             }
         }
@@ -94,10 +109,10 @@ __device__ __forceinline__ void tkv_copy_rows(const TkvParams& p) {
 
 #define TKV_INSTANTIATE(WIDTH, VTYPE)                                                       \
     extern "C" __global__ void __launch_bounds__(512) tkv_gather_w##WIDTH(const TkvParams p) { \
-        tkv_copy_rows<VTYPE, true>(p);                                                      \
+        tkv_copy<VTYPE, true>(p);                                                      \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(512) tkv_scatter_w##WIDTH(const TkvParams p) { \
-        tkv_copy_rows<VTYPE, false>(p);                                                     \
+        tkv_copy<VTYPE, false>(p);                                                     \
     }
 
 TKV_INSTANTIATE(16, uint4)

@@ -46,6 +46,8 @@ _PARAMS_HEAD = struct.Struct("<QQqqqiiiiii")  # TkvParams up to jobs[]
 _JOB = struct.Struct("<Qiiiiii")  # TkvJob
 _PARAMS_SIZE = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size
 _THREADS = 256
+_UNROLL = 4  # TKV_UNROLL
+JOB_MAX_BYTES = 1 << 30
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
 # below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
 DMA_MIN_RUN_BYTES = 64 * 1024
@@ -59,9 +61,9 @@ class MoverOptions:
     path, which needs many loads in flight to cover PCIe latency."""
 
     path: str = "auto"
-    staging_slot_bytes: int = 8 << 20
+    staging_slot_bytes: int = 16 << 20
     staging_slots: int = 4
-    staging_ctas: int = 16
+    staging_ctas: int = 32
     mapped_ctas: int = 0
 
     def __post_init__(self) -> None:
@@ -385,7 +387,7 @@ class CudaMover(KVMover):
             len(jobs),
             0,
         )
-        max_rows = 1
+        max_vectors = 1
         for i, (host, token_start, t_begin, num_tokens, l0, l1) in enumerate(jobs):
             _JOB.pack_into(
                 params,
@@ -398,9 +400,13 @@ class CudaMover(KVMover):
                 l1,
                 0,
             )
-            max_rows = max(max_rows, (l1 - l0) * group.kv_count * (num_tokens - t_begin))
-        warps = _THREADS // 32
-        grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_rows // warps)))
+            vectors = (l1 - l0) * group.kv_count * (num_tokens - t_begin) * group.row_bytes
+            vectors //= group.width
+            if vectors >= 1 << 31:
+                raise LayoutError(f"copy job of {vectors} vectors exceeds the kernel's 2^31")
+            max_vectors = max(max_vectors, vectors)
+        per_cta = _THREADS * _UNROLL
+        grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_vectors // per_cta)))
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         function = state.kernels.function("gather" if to_host else "scatter", group.width)
         check_driver(
@@ -435,11 +441,16 @@ class CudaMover(KVMover):
             jobs = []
             for transfer in transfers:
                 obj = transfer.obj
-                host = self._device_address(state, obj.arena) + _group_offset(obj, group)
+                host = self._device_address(state, obj.arena) + obj.offset
+                host += _group_offset(obj, group)
                 t_begin = 0 if to_host else transfer.skip_tokens
-                jobs.append(
-                    (host, transfer.token_start, t_begin, obj.num_tokens, 0, group.num_layers)
-                )
+                # Jobs of at most 1 GiB keep the kernel's 32-bit vector indices in range.
+                per_layer = group.slab_bytes(1, obj.num_tokens)
+                step = max(1, JOB_MAX_BYTES // per_layer)
+                for l0 in range(0, group.num_layers, step):
+                    l1 = min(group.num_layers, l0 + step)
+                    start = host + group.slab_bytes(l0, obj.num_tokens)
+                    jobs.append((start, transfer.token_start, t_begin, obj.num_tokens, l0, l1))
             for batch in _batches(jobs, MAX_JOBS):
                 self._launch(
                     state, group, side.kernel_stream, to_host, block_size, device_ids, batch, ctas

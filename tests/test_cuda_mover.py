@@ -1,0 +1,306 @@
+"""`CudaMover` against the torch reference, bit for bit, on every path (GPU only).
+
+Gather: both movers fill poisoned host objects from the same caches; the whole objects must be
+equal. Scatter: two identical caches, same poisoned destination blocks, one mover each; every
+byte of both caches must be equal afterwards (skipped slots and untouched blocks included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from tests.kvfactory import FORMATS, KVCaches, make_caches, poison_blocks
+from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
+from tiered_kv.gpu.reference import TorchMover
+from tiered_kv.layout import KVCacheLayout, build_layout
+from tiered_kv.memory import HostArena, MemoryObj
+
+pytestmark = pytest.mark.gpu
+
+CHUNK = 32
+BLOCK = 16
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+
+
+def _pair(fmt: str, dtype: torch.dtype, seed: int, **kw: int) -> tuple[KVCaches, KVCaches]:
+    return (
+        make_caches(fmt, dtype, seed=seed, device="cuda", **kw),
+        make_caches(fmt, dtype, seed=seed, device="cuda", **kw),
+    )
+
+
+def _layout(caches: KVCaches, chunk: int = CHUNK) -> KVCacheLayout:
+    return build_layout(caches.entries, chunk_size=chunk, layout_hints=caches.hints)
+
+
+def _objects(
+    arena: HostArena, layout: KVCacheLayout, num_tokens: int, chunk: int = CHUNK
+) -> list[MemoryObj]:
+    objs = []
+    for start in range(0, num_tokens, chunk):
+        obj = arena.allocate_obj(layout.layout_desc, min(chunk, num_tokens - start))
+        assert obj is not None
+        obj.raw().fill_(0xA5)
+        objs.append(obj)
+    return objs
+
+
+def _transfers(objs: Sequence[MemoryObj], skip: int, chunk: int = CHUNK) -> list[ChunkTransfer]:
+    out = []
+    for i, obj in enumerate(objs):
+        start = i * chunk
+        out.append(ChunkTransfer(obj, start, min(obj.num_tokens, max(0, skip - start))))
+    return out
+
+
+def _blocks(num_tokens: int, num_blocks: int, seed: int) -> list[int]:
+    needed = math.ceil(num_tokens / BLOCK)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_blocks, generator=gen)[:needed].tolist()
+
+
+async def _round(
+    mover: KVMover,
+    oracle: KVMover,
+    fmt: str,
+    dtype: torch.dtype,
+    num_tokens: int,
+    skips: Sequence[int],
+    seed: int,
+    **kw: int,
+) -> None:
+    ours, theirs = _pair(fmt, dtype, seed, **kw)
+    num_blocks = kw.get("num_blocks", 16)
+    layout_ours, layout_theirs = _layout(ours), _layout(theirs)
+    arena = HostArena(64 << 20, pin=True)
+    try:
+        src = _blocks(num_tokens, num_blocks, seed)
+        a = _objects(arena, layout_ours, num_tokens)
+        b = _objects(arena, layout_theirs, num_tokens)
+        await mover.gather(layout_ours, src, _transfers(a, 0))
+        await oracle.gather(layout_theirs, src, _transfers(b, 0))
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.raw(), y.raw()), "gather differs from the reference"
+        for skip in skips:
+            dst = _blocks(num_tokens, num_blocks, seed + 100 + skip)
+            poison_blocks(ours, dst)
+            poison_blocks(theirs, dst)
+            await mover.scatter(layout_ours, dst, _transfers(a, skip))
+            await oracle.scatter(layout_theirs, dst, _transfers(b, skip))
+            torch.cuda.synchronize()
+            assert ours.bytes_equal(theirs.snapshot()), f"scatter differs (skip={skip})"
+        for obj in (*a, *b):
+            obj.unref()
+    finally:
+        assert arena.close() == 0
+
+
+@pytest.fixture
+async def movers() -> dict[str, KVMover]:
+    out: dict[str, KVMover] = {path: CudaMover(MoverOptions(path=path)) for path in PATHS}
+    out["torch"] = TorchMover()
+    yield out  # type: ignore[misc]
+    for mover in out.values():
+        await mover.aclose()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_every_path_matches_the_reference(
+    movers: dict[str, KVMover], fmt: str, dtype_name: str, path: str
+) -> None:
+    # 80 tokens: two full chunks and a partial one; skips inside, on and past chunk edges.
+    await _round(
+        movers[path],
+        movers["torch"],
+        fmt,
+        DTYPES[dtype_name],
+        num_tokens=80,
+        skips=(0, 5, 32, 40, 80),
+        seed=len(fmt) + len(dtype_name),
+        num_blocks=12,
+    )
+
+
+def _poison(tensors: Sequence[torch.Tensor], blocks: list[int]) -> None:
+    index = torch.tensor(blocks, device="cuda")
+    for t in tensors:
+        raw = t.view(torch.uint8)
+        if t.dim() == 5:  # [2, NB, ...]
+            raw[:, index] = 0x5A
+        else:
+            raw[index] = 0x5A
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_heterogeneous_groups_incl_132_byte_int8_rows(
+    movers: dict[str, KVMover], path: str
+) -> None:
+    nb = 10
+
+    def caches() -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(5)
+
+        def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=gen)
+            return raw.to(torch.uint8).cuda().view(dtype)
+
+        return [
+            rand((2, nb, BLOCK, 4, 64), torch.bfloat16),
+            rand((nb, BLOCK, 132), torch.int8),  # indexer cache: 132-byte rows
+            rand((2, nb, BLOCK, 4, 64), torch.bfloat16),
+            rand((nb, BLOCK, 132), torch.int8),
+            rand((nb, BLOCK, 72), torch.float16),  # 144-byte MLA-like rows
+        ]
+
+    ours, theirs = caches(), caches()
+    lo, lt = build_layout(ours, chunk_size=CHUNK), build_layout(theirs, chunk_size=CHUNK)
+    assert len(lo.groups) == 3
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        src, dst = [3, 7, 1, 9, 0], [8, 2, 6, 4, 5]
+        a, b = _objects(arena, lo, 70), _objects(arena, lt, 70)
+        await movers[path].gather(lo, src, _transfers(a, 0))
+        await movers["torch"].gather(lt, src, _transfers(b, 0))
+        assert all(torch.equal(x.raw(), y.raw()) for x, y in zip(a, b, strict=True))
+        _poison(ours, dst)
+        _poison(theirs, dst)
+        await movers[path].scatter(lo, dst, _transfers(a, 19))
+        await movers["torch"].scatter(lt, dst, _transfers(b, 19))
+        torch.cuda.synchronize()
+        for x, y in zip(ours, theirs, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for obj in (*a, *b):
+            obj.unref()
+    finally:
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_many_chunks_in_one_call(movers: dict[str, KVMover], path: str) -> None:
+    # 70 chunks of 16 tokens: more jobs than one launch carries, several staging fills.
+    num_tokens = 70 * 16 - 9
+    ours, theirs = _pair(
+        "vllm_hnd_view", torch.bfloat16, 11, num_blocks=80, num_heads=4, head_size=32
+    )
+    lo = build_layout(ours.entries, chunk_size=16, layout_hints=ours.hints)
+    lt = build_layout(theirs.entries, chunk_size=16, layout_hints=theirs.hints)
+    arena = HostArena(64 << 20, pin=True)
+    try:
+        src = _blocks(num_tokens, 80, 1)
+        dst = _blocks(num_tokens, 80, 2)
+        a, b = _objects(arena, lo, num_tokens, 16), _objects(arena, lt, num_tokens, 16)
+        await movers[path].gather(lo, src, _transfers(a, 0, 16))
+        await movers["torch"].gather(lt, src, _transfers(b, 0, 16))
+        assert all(torch.equal(x.raw(), y.raw()) for x, y in zip(a, b, strict=True))
+        poison_blocks(ours, dst)
+        poison_blocks(theirs, dst)
+        await movers[path].scatter(lo, dst, _transfers(a, 200, 16))
+        await movers["torch"].scatter(lt, dst, _transfers(b, 200, 16))
+        torch.cuda.synchronize()
+        assert ours.bytes_equal(theirs.snapshot())
+        for obj in (*a, *b):
+            obj.unref()
+    finally:
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_concurrent_store_and_retrieve_on_their_streams(
+    movers: dict[str, KVMover], path: str
+) -> None:
+    """A store from blocks A and a retrieve into blocks B at once, repeated: the store sees A's
+    bytes, and B ends up holding exactly what was retrieved."""
+    shape = {"num_blocks": 64, "num_heads": 8, "head_size": 128}
+    caches = make_caches("vllm_nhd", torch.bfloat16, seed=21, device="cuda", **shape)
+    other = make_caches("vllm_nhd", torch.bfloat16, seed=22, device="cuda", **shape)
+    layout, other_layout = _layout(caches, 128), _layout(other, 128)
+    arena = HostArena(256 << 20, pin=True)
+    mover, oracle = movers[path], movers["torch"]
+    blocks_a, blocks_b = list(range(0, 32)), list(range(63, 31, -1))
+    try:
+        incoming = _objects(arena, other_layout, 512, 128)
+        await oracle.gather(other_layout, blocks_b, _transfers(incoming, 0, 128))
+        for round_ in range(4):
+            stored = _objects(arena, layout, 512, 128)
+            await asyncio.gather(
+                mover.gather(layout, blocks_a, _transfers(stored, 0, 128)),
+                mover.scatter(layout, blocks_b, _transfers(incoming, 0, 128)),
+            )
+            check_a = _objects(arena, layout, 512, 128)
+            check_b = _objects(arena, layout, 512, 128)
+            await oracle.gather(layout, blocks_a, _transfers(check_a, 0, 128))
+            await oracle.gather(layout, blocks_b, _transfers(check_b, 0, 128))
+            for x, y in zip(stored, check_a, strict=True):
+                assert torch.equal(x.raw(), y.raw()), f"round {round_}: store"
+            for x, y in zip(incoming, check_b, strict=True):
+                assert torch.equal(x.raw(), y.raw()), f"round {round_}: retrieve"
+            for obj in (*stored, *check_a, *check_b):
+                obj.unref()
+            await oracle.gather(other_layout, blocks_a, _transfers(incoming, 0, 128))  # new data
+        for obj in incoming:
+            obj.unref()
+    finally:
+        assert arena.close() == 0
+
+
+async def test_gather_waits_for_the_callers_stream() -> None:
+    """KV written by a kernel still queued on the caller's stream is what gets stored."""
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, seed=2, device="cuda", num_blocks=8, num_heads=8, head_size=128
+    )
+    layout = _layout(caches, 64)
+    arena = HostArena(8 << 20, pin=True)
+    mover = CudaMover(MoverOptions(path="staging"))
+    try:
+        obj = _objects(arena, layout, 64, 64)[0]
+        big = torch.randn(4096, 4096, device="cuda")
+        torch.cuda.synchronize()
+        for _ in range(8):  # keep the caller's stream busy
+            big = big @ big
+            big /= big.norm()
+        for layer in caches.physical:
+            layer.view(torch.uint8).fill_(0x3C)
+        await mover.gather(layout, [0, 1, 2, 3], [ChunkTransfer(obj, 0)])
+        data = obj.group_bytes(0)
+        assert bool((data == 0x3C).all())
+        obj.unref()
+    finally:
+        await mover.aclose()
+        assert arena.close() == 0
+
+
+async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> None:
+    from tiered_kv import EngineConfig, TieredKVEngine
+
+    caches = make_caches("vllm_nhd", torch.bfloat16, seed=4, device="cuda", num_blocks=8)
+    config = EngineConfig(chunk_size=32, l1_size="8MiB")
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m")
+        tokens = list(range(64))
+        assert await engine.store(tokens, [0, 1, 2, 3]) == 64
+        poison_blocks(caches, [4, 5, 6, 7])
+        assert await engine.retrieve(tokens, [4, 5, 6, 7]) == 64
+        torch.cuda.synchronize()
+        for layer in range(2):
+            for k in range(2):
+                for t in range(64):
+                    src = caches.token_row(layer, k, t // 16, t % 16)
+                    dst = caches.token_row(layer, k, 4 + t // 16, t % 16)
+                    assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
+        mover = engine.stats()["mover"]
+        assert mover["cuda_gather_staging_calls"] + mover["cuda_gather_dma_calls"] == 1
+        assert mover["cuda_scatter_staging_calls"] + mover["cuda_scatter_dma_calls"] == 1
+        assert mover["bytes_gathered"] == engine.layout_desc().nbytes(32) * 2
