@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Generator, Sequence
@@ -129,7 +130,7 @@ class PrefetchController:
             self._tasks.add(task)
             # A callback, not the coroutine's `finally`: a task cancelled before its first step
             # never runs its body, and the load's reference must still be dropped.
-            task.add_done_callback(lambda done, load=load: self._finish(load, done))
+            task.add_done_callback(functools.partial(self._finish, load))
             self.counters.loads_started += 1
         load.obj.ref()
         load.holders += 1
@@ -164,12 +165,12 @@ class PrefetchController:
 
     def release(self, load: _Load, *, keep_running: bool) -> None:
         """A holder drops its reference. A load nobody holds any more is cancelled, unless
-        ``keep_running`` and its read is already under way (it then lands in L1 unreferenced)."""
+        ``keep_running``: it then finishes into L1 as an unreferenced (evictable) entry, still
+        counted against the prefetch budget until it ends."""
         load.holders -= 1
         load.obj.unref()
         task = load.task
-        idle = load.holders == 0 and task is not None and not task.done()
-        if idle and task is not None and not (keep_running and load.running):
+        if load.holders == 0 and task is not None and not task.done() and not keep_running:
             task.cancel()
         self._maybe_settle(load)
 
