@@ -1,0 +1,188 @@
+"""Typed metrics and their Prometheus text: names, labels, values from a real run, parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from tests.kvfactory import make_caches
+from tiered_kv import EngineConfig, SyncTieredKVEngine, TieredKVEngine
+from tiered_kv.metrics import (
+    MetricFamily,
+    Sample,
+    engine_metrics,
+    parse_prometheus,
+    render_prometheus,
+    throughput_gbps,
+)
+from tiered_kv.tiers.testing import FaultyTier, MemoryTier
+
+TOKENS = list(range(1000, 1100))
+SRC, DST = list(range(7)), list(range(8, 15))
+
+
+def _config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = {"chunk_size": 32, "l1_size": "8MiB"}
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+async def _exercised_engine(engine: TieredKVEngine, tier: FaultyTier) -> None:
+    engine.register_kv_caches(make_caches("vllm_nhd", torch.bfloat16).entries, model_name="m")
+    await engine.store(TOKENS, SRC)
+    await engine.flush()
+    await engine.evict_l1()
+    assert await engine.lookup(TOKENS) == 100
+    assert await engine.retrieve(TOKENS, DST) == 100
+    assert await engine.retrieve(TOKENS, DST) == 100
+    assert await engine.lookup(list(range(5000, 5100))) == 0
+
+
+async def test_metrics_text_parses_and_carries_the_engine_numbers() -> None:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.01)
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        await _exercised_engine(engine, tier)
+        text = engine.metrics_text()
+        stats = engine.stats()
+    samples = parse_prometheus(text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("tiered_kv_hits_total", tier="l1") == stats["storage"]["hits_l1"] == 4
+    assert value("tiered_kv_hits_total", tier="l2") == 4
+    assert value("tiered_kv_lookup_chunks_total", tier="l2") == 4
+    assert value("tiered_kv_lookup_misses_total") == 1
+    outcomes = {
+        outcome: value("tiered_kv_prefetch_outcomes_total", outcome=outcome)
+        for outcome in ("ready_in_time", "ready_after_wait", "late", "cancelled", "failed")
+    }
+    assert outcomes["ready_in_time"] + outcomes["ready_after_wait"] == 4
+    assert outcomes["late"] == outcomes["cancelled"] == outcomes["failed"] == 0
+    assert value("tiered_kv_prefetch_loads_total", kind="loads_started") == 4
+    assert value("tiered_kv_write_queue_depth", tier="l2") == 0
+    assert value("tiered_kv_writes_total", tier="l2", result="done") == 4
+    assert (
+        value("tiered_kv_transfer_bytes_total", path="l2_to_l1")
+        == stats["storage"]["l2_read_bytes"]
+    )
+    assert value("tiered_kv_transfer_bytes_total", path="l1_to_device") > 0
+    assert value("tiered_kv_throughput_gbps", path="l1_to_l2") > 0
+    assert value("tiered_kv_occupancy_bytes", tier="l1") == stats["l1"]["bytes_used"]
+    assert value("tiered_kv_occupancy_bytes", tier="l2") > 0
+    assert value("tiered_kv_capacity_bytes", tier="l1") == 8 * 1024 * 1024
+    assert value("tiered_kv_retrieved_tokens_total") == 200
+    # Every family has HELP and TYPE lines, counters end in _total.
+    for line in text.splitlines():
+        if line.startswith("# TYPE") and line.endswith(" counter"):
+            assert line.split()[2].endswith("_total")
+
+
+async def test_throughput_section_reports_gb_per_second_per_path(tmp_path: object) -> None:
+    tier = FaultyTier(MemoryTier())
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        await _exercised_engine(engine, tier)
+        stats = engine.stats()
+    throughput = stats["throughput"]
+    assert set(throughput) >= {
+        "device_to_l1_gbps",
+        "l1_to_device_gbps",
+        "l1_to_l2_gbps",
+        "l2_to_l1_gbps",
+    }
+    assert all(v > 0 and math.isfinite(v) for v in throughput.values())
+    assert throughput == throughput_gbps(stats)
+    families = {family.name: family for family in engine_metrics(stats)}
+    hits = families["tiered_kv_hits"]
+    assert hits.kind == "counter" and hits.value(tier="l1") == 4
+
+
+def test_prometheus_client_parser_accepts_our_text() -> None:
+    parser = pytest.importorskip("prometheus_client.parser")
+    with SyncTieredKVEngine(_config(), lower_tiers=[MemoryTier()]) as engine:
+        engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
+        engine.store(TOKENS, SRC)
+        engine.flush()
+        text = engine.metrics_text()
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    assert families["tiered_kv_hits"].type == "counter"
+    assert families["tiered_kv_write_queue_depth"].type == "gauge"
+    ours = parse_prometheus(text)
+    theirs = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in families.values()
+        for s in family.samples
+    }
+    assert ours == theirs
+
+
+def test_prometheus_client_collector_exports_the_same_families() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tiered_kv.metrics import PrometheusCollector
+
+    with SyncTieredKVEngine(_config(), lower_tiers=[MemoryTier()]) as engine:
+        engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
+        engine.store(TOKENS, SRC)
+        registry = CollectorRegistry()
+        registry.register(PrometheusCollector(engine.stats))
+        exported = parse_prometheus(generate_latest(registry).decode())
+        ours = parse_prometheus(engine.metrics_text())
+    assert ours == exported
+
+
+def test_render_escapes_labels_and_formats_values() -> None:
+    family = MetricFamily(
+        "tiered_kv_test",
+        "gauge",
+        'a "quoted"\nhelp',
+        (
+            Sample((("tier", 'odd"\\name\n'),), 1.5),
+            Sample((("tier", "x"),), float("inf")),
+            Sample((), 3.0),
+        ),
+    )
+    text = render_prometheus([family])
+    assert 'tiered_kv_test{tier="odd\\"\\\\name\\n"} 1.5' in text
+    assert "tiered_kv_test 3\n" in text
+    parsed = parse_prometheus(text)
+    assert parsed[("tiered_kv_test", (("tier", 'odd"\\name\n'),))] == 1.5
+    assert parsed[("tiered_kv_test", (("tier", "x"),))] == float("inf")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tiered_kv_x 1\n",  # no TYPE line
+        "# TYPE tiered_kv_x gauge\ntiered_kv_x{tier=unquoted} 1\n",
+        "# TYPE tiered_kv_x gauge\ntiered_kv_x one\n",
+        "# TYPE tiered_kv_x gauge\ntiered_kv_x 1\ntiered_kv_x 2\n",  # duplicate
+        "# TYPE tiered_kv_x histogramish\n",
+    ],
+)
+def test_parser_rejects_malformed_text(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_prometheus(text)
+
+
+def test_metric_family_validates_names_and_kinds() -> None:
+    with pytest.raises(ValueError, match="invalid metric name"):
+        MetricFamily("9bad", "gauge", "", ())
+    with pytest.raises(ValueError, match="kind"):
+        MetricFamily("ok", "summary", "", ())  # type: ignore[arg-type]
+
+
+async def test_stats_keep_the_sections_the_demo_reads() -> None:
+    async with TieredKVEngine(_config(), lower_tiers=[MemoryTier()]) as engine:
+        engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
+        await engine.store(TOKENS, SRC)
+        await asyncio.sleep(0)
+        stats = engine.stats()
+    for section in ("engine", "l1", "storage", "arena", "mover", "prefetch", "throughput"):
+        assert section in stats
+    assert {"hits_l1", "misses", "promotion_failures"} <= set(stats["storage"])
+    assert {"evictions", "bytes_used", "dirty"} <= set(stats["l1"])
