@@ -22,13 +22,11 @@ import contextlib
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 
 import torch
 
@@ -107,22 +105,22 @@ while True:
 def raw_ceiling(size: int, count: int) -> tuple[float, list[float]]:
     port = free_port()
     payload = memoryview(os.urandom(size))
-    with process([sys.executable, "-c", RECEIVER, str(port), str(size)], port):
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(payload)  # warm-up
-            sock.recv(1)
-            best, best_times = 0.0, []
-            for _ in range(3):  # best of three batches: the VM's loopback speed wanders
-                times = []
-                for _ in range(count):
-                    started = time.perf_counter()
-                    sock.sendall(payload)
-                    if sock.recv(1) != b"k":
-                        raise RuntimeError("receiver went away")
-                    times.append(time.perf_counter() - started)
-                gbps = size * count / sum(times) / 1e9
-                if gbps > best:
-                    best, best_times = gbps, times
+    receiver = [sys.executable, "-c", RECEIVER, str(port), str(size)]
+    with process(receiver, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(payload)  # warm-up
+        sock.recv(1)
+        best, best_times = 0.0, []
+        for _ in range(3):  # best of three batches: the VM's loopback speed wanders
+            times = []
+            for _ in range(count):
+                started = time.perf_counter()
+                sock.sendall(payload)
+                if sock.recv(1) != b"k":
+                    raise RuntimeError("receiver went away")
+                times.append(time.perf_counter() - started)
+            gbps = size * count / sum(times) / 1e9
+            if gbps > best:
+                best, best_times = gbps, times
     return best, best_times
 
 
