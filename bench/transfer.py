@@ -213,6 +213,63 @@ async def sweep(case: Case, reps: int, n: int) -> None:
         await _sweep_one(case, reps, n, CudaMover(options), f"mapped ctas={ctas}")
 
 
+async def probe(case: Case, reps: int) -> None:
+    """Where one call's time goes (enqueue, GPU, wake-up), and the copy kernel alone by CTAs."""
+    mover = CudaMover(MoverOptions(path="staging"))
+    mover.trace = []
+    for n in (1, 32):
+        for label, fn in (
+            (
+                "store",
+                lambda n=n: mover.gather(
+                    case.layout, case.blocks_a, case.transfers(case.objs_a, n)
+                ),
+            ),
+            (
+                "retrieve",
+                lambda n=n: mover.scatter(
+                    case.layout, case.blocks_b, case.transfers(case.objs_b, n)
+                ),
+            ),
+        ):
+            mover.trace.clear()
+            await _wall(fn, reps)
+            med = {
+                k: statistics.median(t[k] for t in mover.trace)
+                for k in ("enqueue_s", "gpu_s", "total_s")
+            }
+            gpu_rate = n * case.chunk_bytes / med["gpu_s"] / 1e9
+            print(
+                f"probe {case.name} {label}@{n}: enqueue {1e6 * med['enqueue_s']:.0f} us, gpu "
+                f"{1e6 * med['gpu_s']:.0f} us ({gpu_rate:.1f} GB/s), "
+                f"total {1e6 * med['total_s']:.0f} us",
+                flush=True,
+            )
+    state = mover._state(case.layout.device)
+    plan = mover._plan(state, case.layout)
+    group = plan.groups[0]
+    staging = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    ids = torch.tensor(case.blocks_a, dtype=torch.int32, device="cuda")
+    per_layer = group.slab_bytes(1, CHUNK)
+    layers = min(group.num_layers, (32 << 20) // per_layer)
+    job = [(staging.data_ptr(), 0, 0, CHUNK, 0, layers)]
+    stream = torch.cuda.current_stream()
+    for ctas in (16, 32, 64, 132, 264, 528):
+        for to_host in (True, False):
+            ms = _time_ms(
+                lambda ctas=ctas, to_host=to_host: mover._launch(
+                    state, group, stream, to_host, case.layout.block_size, ids, job, ctas
+                ),
+                reps * 3,
+            )
+            print(
+                f"probe {case.name} kernel {'gather' if to_host else 'scatter'} ctas={ctas} "
+                f"width={group.width}: {layers * per_layer / ms / 1e6:.0f} GB/s (D2D, one way)",
+                flush=True,
+            )
+    await mover.aclose()
+
+
 async def _sweep_one(case: Case, reps: int, n: int, mover: CudaMover, label: str) -> None:
     try:
         row = await bench_path(mover, case, reps, [1, n], 30)
@@ -377,6 +434,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--cases", default="llama_nhd,llama_hnd,mla,int8_132")
     parser.add_argument("--sweep", action="store_true", help="tune staging slots and CTAs")
+    parser.add_argument("--probe", action="store_true", help="time a call's parts and the kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/transfer.py needs a CUDA device")
@@ -387,8 +445,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.cases.split(","):
         case = Case(name, counts[-1])
+        if args.probe:
+            asyncio.run(probe(case, reps))
         if args.sweep:
             asyncio.run(sweep(case, reps, counts[-1]))
+        if args.sweep or args.probe:
             case.close()
             continue
         print(

@@ -48,6 +48,7 @@ _PARAMS_SIZE = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size
 _THREADS = 256
 _UNROLL = 4  # TKV_UNROLL
 JOB_MAX_BYTES = 1 << 30
+RAMP_STEPS = 3  # first staging fills of a call: slot/8, slot/4, slot/2
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
 # below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
 DMA_MIN_RUN_BYTES = 64 * 1024
@@ -61,8 +62,8 @@ class MoverOptions:
     path, which needs many loads in flight to cover PCIe latency."""
 
     path: str = "auto"
-    staging_slot_bytes: int = 16 << 20
-    staging_slots: int = 4
+    staging_slot_bytes: int = 32 << 20
+    staging_slots: int = 3
     staging_ctas: int = 32
     mapped_ctas: int = 0
 
@@ -197,6 +198,9 @@ class CudaMover(KVMover):
         self._counters.update(
             bytes_gathered=0, bytes_scattered=0, gather_seconds=0.0, scatter_seconds=0.0
         )
+        # Set to a list to record, per call, enqueue time, GPU time and total (benchmarks only:
+        # it adds events on the caller's stream).
+        self.trace: list[dict[str, Any]] | None = None
 
     # -- public --------------------------------------------------------------------------------
     def path_for(self, layout: KVCacheLayout) -> str:
@@ -296,6 +300,10 @@ class CudaMover(KVMover):
         caller = torch.cuda.current_stream(state.device)
         state.kernels.make_current()
         held = [t.obj.ref() for t in transfers]
+        trace_start = None
+        if self.trace is not None:
+            trace_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            trace_start.record(caller)
         try:
             done = self._enqueue(state, plan, side, caller, to_host, block_ids, transfers)
         except BaseException:
@@ -304,6 +312,12 @@ class CudaMover(KVMover):
             raise
         if not to_host:
             caller.wait_event(done)  # the engine's next kernels see the loaded KV
+        enqueued = time.perf_counter()
+        trace_end = None
+        if trace_start is not None:
+            trace_end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            caller.wait_event(done)
+            trace_end.record(caller)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._waiter, done.synchronize)
 
@@ -321,6 +335,16 @@ class CudaMover(KVMover):
         self._counters[f"{direction}_{plan.path}_calls"] += 1
         self._counters[f"{direction}_seconds"] += time.perf_counter() - start
         self._counters["bytes_gathered" if to_host else "bytes_scattered"] += moved
+        if self.trace is not None and trace_start is not None and trace_end is not None:
+            self.trace.append(
+                {
+                    "direction": direction,
+                    "bytes": moved,
+                    "enqueue_s": enqueued - start,
+                    "gpu_s": trace_start.elapsed_time(trace_end) / 1e3,
+                    "total_s": time.perf_counter() - start,
+                }
+            )
 
     def _enqueue(
         self,
@@ -585,7 +609,13 @@ def _slot_fills(
     plan: _LayoutPlan, transfers: Sequence[ChunkTransfer], slot_bytes: int
 ) -> Iterator[tuple[_GroupPlan, list[tuple[ChunkTransfer, int, int]]]]:
     """Pack (chunk, layer range) pieces of one group at a time into staging slots: each fill is
-    at most ``slot_bytes`` and `MAX_JOBS` pieces, and becomes one launch plus its DMAs."""
+    at most ``slot_bytes`` and `MAX_JOBS` pieces, and becomes one launch plus its DMAs. The first
+    fills of a call are smaller (1/8, 1/4, 1/2 of a slot) so the first DMA starts early."""
+    fills = 0
+
+    def capacity() -> int:
+        return slot_bytes >> max(0, RAMP_STEPS - fills)
+
     for group in plan.groups:
         fill: list[tuple[ChunkTransfer, int, int]] = []
         used = 0
@@ -595,9 +625,11 @@ def _slot_fills(
                 raise ValueError(f"staging slot of {slot_bytes} bytes < one layer's {per_layer}")
             layer = 0
             while layer < group.num_layers:
-                room = (slot_bytes - used) // per_layer
-                if room == 0 or len(fill) == MAX_JOBS:
+                cap = max(capacity(), per_layer)
+                room = (cap - used) // per_layer
+                if room <= 0 or len(fill) == MAX_JOBS:
                     yield group, fill
+                    fills += 1
                     fill, used = [], 0
                     continue
                 end = min(group.num_layers, layer + room)
@@ -606,6 +638,7 @@ def _slot_fills(
                 layer = end
         if fill:
             yield group, fill
+            fills += 1
 
 
 def _runs(
