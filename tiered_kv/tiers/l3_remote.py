@@ -341,9 +341,7 @@ def remote_tier_from_config(config: EngineConfig) -> LowerTier:
         from tiered_kv.tiers.remote.redis import SCHEMES, RedisConnector
 
         if scheme not in SCHEMES:
-            raise ConfigError(
-                f"l3_url: unknown scheme {scheme!r}; use tkv, {', '.join(SCHEMES)}"
-            )
+            raise ConfigError(f"l3_url: unknown scheme {scheme!r}; use tkv, {', '.join(SCHEMES)}")
         connector = RedisConnector(
             url,
             key_prefix=config.l3_key_prefix,
