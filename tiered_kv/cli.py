@@ -168,8 +168,9 @@ async def _serve_turn(
     try:
         valid = await engine.retrieve(prompt, blocks)
         if valid < hit:
-            # Not an error: L1 could not hold the whole cached prefix at once (every chunk a
-            # retrieve delivers is referenced until its copy); the engine computes the rest.
+            # Not an error: a chunk could not be loaded in time or into L1 (retrieve releases
+            # each scattered batch, so this needs L1 nearly full of referenced chunks); the
+            # engine computes the rest.
             report.short_retrieves += 1
         good, bad = model.verify(keys, blocks, valid)
         report.verified_chunks += good

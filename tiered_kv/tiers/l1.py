@@ -135,12 +135,13 @@ class L1Tier:
         return [k for k in idle if k not in self._dirty] + [k for k in idle if k in self._dirty]
 
     def _evict_one(self) -> bool:
-        for key, obj in self._entries.items():  # fast path: the LRU clean entry
-            if obj.refcount == 1 and key not in self._dirty:
-                if self._evict(key):
+        # Clean entries first, then dirty ones; a refusal changes nothing, so iterating on is safe
+        # (the hook must not change the tier), and a success returns at once.
+        for want_dirty in (False, True):
+            for key, obj in self._entries.items():
+                if obj.refcount == 1 and (key in self._dirty) is want_dirty and self._evict(key):
                     return True
-                break  # the hook refused: take the slow path over every candidate
-        return any(self._evict(key) for key in self._candidates())
+        return False
 
     def _evict(self, key: ChunkKey) -> int:
         """Bytes the entry accounted for, or 0 when the hook refused the eviction."""
