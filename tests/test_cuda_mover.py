@@ -304,3 +304,36 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
         assert mover["cuda_gather_staging_calls"] + mover["cuda_gather_dma_calls"] == 1
         assert mover["cuda_scatter_staging_calls"] + mover["cuda_scatter_dma_calls"] == 1
         assert mover["bytes_gathered"] == engine.layout_desc().nbytes(32) * 2
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_cancelled_caller_leaves_objects_held_until_the_gpu_is_done(path: str) -> None:
+    shape = {"num_blocks": 64, "num_heads": 8, "head_size": 128}
+    caches = make_caches("vllm_nhd", torch.bfloat16, seed=8, device="cuda", **shape)
+    layout = _layout(caches, 128)
+    arena = HostArena(64 << 20, pin=True)
+    mover, oracle = CudaMover(MoverOptions(path=path)), TorchMover()
+    try:
+        objs = _objects(arena, layout, 1024, 128)
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):  # the caller's stream is busy: the gather cannot have run yet
+            big = big @ big
+            big /= big.norm()
+        task = asyncio.ensure_future(
+            mover.gather(layout, list(range(64)), _transfers(objs, 0, 128))
+        )
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(obj.refcount == 2 for obj in objs)  # still the mover's as well
+        await mover.aclose()
+        assert all(obj.refcount == 1 for obj in objs)
+        check = _objects(arena, layout, 1024, 128)
+        await oracle.gather(layout, list(range(64)), _transfers(check, 0, 128))
+        assert all(torch.equal(x.raw(), y.raw()) for x, y in zip(objs, check, strict=True))
+        for obj in (*objs, *check):
+            obj.unref()
+    finally:
+        await oracle.aclose()
+        assert arena.close() == 0

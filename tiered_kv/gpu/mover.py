@@ -51,7 +51,7 @@ JOB_MAX_BYTES = 1 << 30
 # Completion: sleep for 90% of bytes / this rate, then poll (see `_wait_for`).
 EXPECTED_BYTES_PER_S = 60e9
 POLL_MIN_S = 20e-6
-POLL_MAX_S = 1e-3
+POLL_MAX_S = 100e-6
 RAMP_STEPS = 3  # first staging fills of a call: slot/8, slot/4, slot/2
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
 # below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
@@ -205,6 +205,7 @@ class CudaMover(KVMover):
         # Set to a list to record, per call, enqueue time, GPU time and total (benchmarks only:
         # it adds events on the caller's stream).
         self.trace: list[dict[str, Any]] | None = None
+        self._inflight: set[asyncio.Future[None]] = set()
 
     # -- public --------------------------------------------------------------------------------
     def path_for(self, layout: KVCacheLayout) -> str:
@@ -224,6 +225,9 @@ class CudaMover(KVMover):
         return dict(self._counters)
 
     async def aclose(self) -> None:
+        """Wait for calls still on the GPU (their callers may be gone), then stop the threads."""
+        if self._inflight:
+            await asyncio.wait(list(self._inflight))
         await asyncio.get_running_loop().run_in_executor(None, self._waiter.shutdown)
         self._devices.clear()
 
@@ -300,58 +304,76 @@ class CudaMover(KVMover):
         state = self._state(layout.device)
         plan = self._plan(state, layout)
         to_host = direction == "gather"
-        side = state.store if to_host else state.load
-        caller = torch.cuda.current_stream(state.device)
-        state.kernels.make_current()
         held = [t.obj.ref() for t in transfers]
-        trace_start = None
-        if self.trace is not None:
-            trace_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            trace_start.record(caller)
-        try:
-            done = self._enqueue(state, plan, side, caller, to_host, block_ids, transfers)
-        except BaseException:
-            for obj in held:
-                obj.unref()
-            raise
-        if not to_host:
-            caller.wait_event(done)  # the engine's next kernels see the loaded KV
-        enqueued = time.perf_counter()
-        trace_end = None
-        if trace_start is not None:
-            trace_end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            caller.wait_event(done)
-            trace_end.record(caller)
-        loop = asyncio.get_running_loop()
-        expected = sum(_moved_bytes(t, to_host) for t in transfers) / EXPECTED_BYTES_PER_S
-        future = loop.run_in_executor(self._waiter, _wait_for, done, expected)
-
-        def release(finished: asyncio.Future[None]) -> None:
-            for obj in held:
-                obj.unref()
-            if not finished.cancelled():
-                finished.exception()  # retrieved: the awaiting task may be gone
-
-        future.add_done_callback(release)
-        # Shielded: a cancelled caller must not release the objects while the GPU uses them.
-        await asyncio.shield(future)
+        trace: dict[str, Any] = {}
+        # The call runs as its own task, shielded: a cancelled caller returns at once, while the
+        # task keeps its references until the GPU is done with the objects.
+        task = asyncio.ensure_future(
+            self._run(state, plan, to_host, block_ids, transfers, held, trace)
+        )
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        await asyncio.shield(task)
         moved = sum(_moved_bytes(t, to_host) for t in transfers)
         self._counters[f"{direction}_{plan.path}_bytes"] += moved
         self._counters[f"{direction}_{plan.path}_calls"] += 1
         self._counters[f"{direction}_seconds"] += time.perf_counter() - start
         self._counters["bytes_gathered" if to_host else "bytes_scattered"] += moved
-        if self.trace is not None and trace_start is not None and trace_end is not None:
+        if self.trace is not None and "gpu_start" in trace:
+            gpu_s = trace["gpu_start"].elapsed_time(trace["gpu_end"]) / 1e3
             self.trace.append(
                 {
                     "direction": direction,
                     "bytes": moved,
-                    "enqueue_s": enqueued - start,
-                    "gpu_s": trace_start.elapsed_time(trace_end) / 1e3,
+                    "enqueue_s": trace["enqueued"] - start,
+                    "gpu_s": gpu_s,
                     "total_s": time.perf_counter() - start,
                 }
             )
 
-    def _enqueue(
+    async def _run(
+        self,
+        state: _DeviceState,
+        plan: _LayoutPlan,
+        to_host: bool,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+        held: list[MemoryObj],
+        trace: dict[str, Any],
+    ) -> None:
+        side = state.store if to_host else state.load
+        caller = torch.cuda.current_stream(state.device)
+        try:
+            if self.trace is not None:
+                trace["gpu_start"] = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                trace["gpu_start"].record(caller)
+            try:
+                done = await self._enqueue(state, plan, side, caller, to_host, block_ids, transfers)
+            except BaseException:
+                # Part of the call may be queued and still touch the objects: let it finish.
+                torch.cuda.synchronize(state.device)
+                raise
+            if not to_host:
+                caller.wait_event(done)  # the engine's next kernels see the loaded KV
+            trace["enqueued"] = time.perf_counter()
+            if self.trace is not None:
+                trace["gpu_end"] = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                caller.wait_event(done)
+                trace["gpu_end"].record(caller)
+            expected = sum(_moved_bytes(t, to_host) for t in transfers) / EXPECTED_BYTES_PER_S
+            waiting = asyncio.get_running_loop().run_in_executor(
+                self._waiter, _wait_for, done, expected
+            )
+            try:
+                await waiting
+            except asyncio.CancelledError:
+                done.synchronize()  # only when the loop itself is torn down: block, then release
+                raise
+        finally:
+            for obj in held:
+                obj.unref()
+
+    async def _enqueue(
         self,
         state: _DeviceState,
         plan: _LayoutPlan,
@@ -361,8 +383,10 @@ class CudaMover(KVMover):
         block_ids: Sequence[int],
         transfers: Sequence[ChunkTransfer],
     ) -> torch.cuda.Event:
-        """Queue the whole call on the GPU (no awaits: atomic w.r.t. other tasks); returns the
-        event that completes it."""
+        """Queue the whole call on the GPU; returns the event that completes it. Staging yields
+        to the loop between slot fills, so a store and a retrieve enqueued at once both start
+        at once; each fill is atomic, and the slot events keep the ring ordered across calls."""
+        state.kernels.make_current()
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(caller)
         # Whatever first touches the paged cache waits for the caller's queued work: the kernels,
@@ -374,13 +398,15 @@ class CudaMover(KVMover):
             done.record(side.dma_stream)
             return done
         with torch.cuda.stream(side.kernel_stream):
-            ids = torch.tensor(block_ids, dtype=torch.int32).pin_memory()
-            device_ids = ids.to(state.device, non_blocking=True)
+            # A pageable source: the copy is staged by the driver before this returns.
+            device_ids = torch.tensor(block_ids, dtype=torch.int32).to(
+                state.device, non_blocking=True
+            )
         if plan.path == "mapped":
             self._enqueue_mapped(state, plan, side, to_host, device_ids, transfers)
             done.record(side.kernel_stream)
         else:
-            self._enqueue_staging(state, plan, side, to_host, device_ids, transfers)
+            await self._enqueue_staging(state, plan, side, to_host, device_ids, transfers)
             # Gathers end with a DMA, scatters with a kernel; each waited for the other.
             done.record(side.dma_stream if to_host else side.kernel_stream)
         return done
@@ -485,7 +511,7 @@ class CudaMover(KVMover):
                     state, group, side.kernel_stream, to_host, block_size, device_ids, batch, ctas
                 )
 
-    def _enqueue_staging(
+    async def _enqueue_staging(
         self,
         state: _DeviceState,
         plan: _LayoutPlan,
@@ -547,6 +573,8 @@ class CudaMover(KVMover):
                 )
                 side.freed[slot].record(side.kernel_stream)
             side.used[slot] = True
+            await asyncio.sleep(0)  # let a concurrent call of the other direction enqueue too
+            state.kernels.make_current()
 
     def _enqueue_dma(
         self,
@@ -596,7 +624,7 @@ class CudaMover(KVMover):
 
 def _wait_for(event: torch.cuda.Event, expected_s: float) -> None:
     """Return soon after ``event`` completes, without spinning a core: sleep through most of the
-    expected transfer time, then poll with a sleep that doubles from 20 µs up to 1 ms. (A
+    expected transfer time, then poll with a sleep that doubles from 20 µs up to 100 µs. (A
     blocking-sync event wait measured 0.6-0.9 ms of wake-up latency on an H200.)"""
     if event.query():  # type: ignore[no-untyped-call]
         return
