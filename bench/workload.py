@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -251,7 +252,7 @@ def plot(results: Sequence[Result], path: Path, title: str) -> bool:
     ax.plot(leads, leads, ":", color="grey", label="lead time alone (lower bound)")
     ax.set_xlabel("lead time: lookup -> retrieve (ms)")
     ax.set_ylabel("TTFT proxy: lookup -> retrieve complete (ms, mean)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 95), fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -243,10 +243,13 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         # Only one chunk fits at a time, but each batch is scattered and released before the
         # next load, so all four arrive.
         assert await engine.retrieve(TOKENS, dst) == 100
+        expect_copy(caches, expected, reference, src, dst, range(100), 16)
+        assert caches.bytes_equal(expected)
         await engine.evict_l1()
         held2 = engine._arena.allocate(256 * 1024)  # now less than a chunk is free
         assert held2 is not None
         poison_blocks(caches, dst)
+        expected = caches.snapshot()
         result = await engine.retrieve_detailed(TOKENS, dst)
         assert (result.valid_tokens, result.cached_tokens) == (0, 100)
         assert result.stop_reason == "no_space" and result.recompute_tokens == 100
