@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import platform
 import random
 import statistics
@@ -130,7 +131,11 @@ async def run_scenario(
     num_blocks = blocks_per_request * max(len(batch) for batch in rounds)
     shape = (2, num_blocks, BLOCK_SIZE, args.kv_heads, args.head_size)
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(args.layers)]
+    # A namespace of its own: an L3 server outlives the scenario and must not serve it the
+    # chunks an earlier scenario stored.
+    namespace = f"workload-{os.getpid()}-{time.time_ns()}"
     config = EngineConfig(
+        namespace=namespace,
         chunk_size=args.chunk_size,
         l1_size=args.l1_size,
         prefetch=scenario.prefetch,
@@ -149,7 +154,7 @@ async def run_scenario(
         if args.l3_url:
             from tiered_kv.tiers.l3_remote import remote_tier_from_config
 
-            remote = remote_tier_from_config(EngineConfig(l3_url=args.l3_url))
+            remote = remote_tier_from_config(EngineConfig(l3_url=args.l3_url, namespace=namespace))
             tiers.append(
                 FaultyTier(remote, get_delay_s=args.l3_read_delay_ms / 1000, put_delay_s=0.0)
             )
