@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiered_kv.engine import new_event_loop
 from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions, choose_path
 from tiered_kv.layout import KVCacheLayout, build_layout
