@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,dev]"
+	$(PY) -m pip install -q -e ".[test,dev,metrics]"
 	touch $@
 
 demo: $(VENV)/.installed
