@@ -299,7 +299,11 @@ def naive_store(case: Case, n: int, hosts: list[torch.Tensor]) -> None:
     torch.cuda.synchronize()
 
 
-def lmcache_store(case: Case, n: int, hosts: list[torch.Tensor]) -> Callable[[], None] | None:
+def lmcache_transfers(
+    case: Case, n: int, hosts: list[torch.Tensor]
+) -> dict[str, Callable[[], None]] | None:
+    """LMCache's ``multi_layer_kv_transfer`` (kernel writing pinned memory directly) for a store
+    and a retrieve of ``n`` chunks, or None when the wheel does not import."""
     try:
         from lmcache import c_ops as lmc_ops
     except Exception as exc:
@@ -312,38 +316,28 @@ def lmcache_store(case: Case, n: int, hosts: list[torch.Tensor]) -> Callable[[],
     fmt = lmc_ops.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
     page = case.num_blocks * BLOCK
 
-    def run() -> None:
-        for c in range(n):
-            lmc_ops.multi_layer_kv_transfer(
-                hosts[c],
-                ptrs,
-                slots[c * CHUNK : (c + 1) * CHUNK],
-                torch.device("cuda"),
-                page,
-                lmc_ops.TransferDirection.D2H,
-                fmt,
-                block_size=BLOCK,
-                head_size=128,
-            )
-        torch.cuda.synchronize()
+    def transfer(direction: Any) -> Callable[[], None]:
+        def run() -> None:
+            for c in range(n):
+                lmc_ops.multi_layer_kv_transfer(
+                    hosts[c],
+                    ptrs,
+                    slots[c * CHUNK : (c + 1) * CHUNK],
+                    torch.device("cuda"),
+                    page,
+                    direction,
+                    fmt,
+                    block_size=BLOCK,
+                    head_size=128,
+                )
+            torch.cuda.synchronize()
 
-    def retrieve() -> None:
-        for c in range(n):
-            lmc_ops.multi_layer_kv_transfer(
-                hosts[c],
-                ptrs,
-                slots[c * CHUNK : (c + 1) * CHUNK],
-                torch.device("cuda"),
-                page,
-                lmc_ops.TransferDirection.H2D,
-                fmt,
-                block_size=BLOCK,
-                head_size=128,
-            )
-        torch.cuda.synchronize()
+        return run
 
-    run.retrieve = retrieve  # type: ignore[attr-defined]
-    return run
+    return {
+        "store": transfer(lmc_ops.TransferDirection.D2H),
+        "retrieve": transfer(lmc_ops.TransferDirection.H2D),
+    }
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -410,11 +404,11 @@ async def bench_case(
             torch.empty((2, LAYERS, CHUNK, 1024), dtype=torch.bfloat16, pin_memory=True)
             for _ in range(n)
         ]
-        run = lmcache_store(case, n, lm_hosts)
-        if run is not None:
+        runs = lmcache_transfers(case, n, lm_hosts)
+        if runs is not None:
             lm: dict[str, Any] = {"case": case.name, "path": "lmcache 0.5.2"}
             try:
-                for label, fn in (("store", run), ("retrieve", run.retrieve)):  # type: ignore[attr-defined]
+                for label, fn in runs.items():
                     fn()
                     t0 = time.perf_counter()
                     for _ in range(reps):
