@@ -17,12 +17,12 @@ from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.mover import (
     MAX_JOBS,
     MoverOptions,
-    _GroupPlan,
     _LayoutPlan,
     _runs,
     _slot_fills,
     choose_path,
     copy_width,
+    group_plan,
 )
 from tiered_kv.layout import KVCacheLayout, build_layout
 from tiered_kv.memory import HostArena
@@ -184,26 +184,8 @@ def _layout(
 
 
 def _plan(layout: KVCacheLayout) -> _LayoutPlan:
-    groups = []
-    for group in layout.groups:
-        s = group.strides
-        item = group.host.dtype.itemsize
-        groups.append(
-            _GroupPlan(
-                group=group,
-                width=1,
-                layer_ptrs=torch.empty(0),
-                block_stride=s.block_stride * item,
-                pos_stride=s.pos_stride * item,
-                head_stride=s.head_stride * item,
-                head_bytes=s.head_size * item,
-                row_bytes=group.host.row_bytes,
-                num_heads=s.num_heads,
-                kv_count=group.host.kv_count,
-                num_layers=group.host.num_layers,
-            )
-        )
-    return _LayoutPlan(layout, tuple(groups), "staging")
+    groups = tuple(group_plan(group, torch.device("cpu")) for group in layout.groups)
+    return _LayoutPlan(layout, groups, "staging")
 
 
 def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:

@@ -95,7 +95,8 @@ class _GroupPlan:
 
     group: LayerGroup
     width: int
-    layer_ptrs: torch.Tensor  # int64 [L * K] on the device
+    host_ptrs: tuple[int, ...]  # [L * K] paged base addresses, layer-major
+    layer_ptrs: torch.Tensor  # the same, int64 on the device (the kernel's table)
     block_stride: int
     pos_stride: int
     head_stride: int
@@ -107,6 +108,29 @@ class _GroupPlan:
 
     def slab_bytes(self, num_layers: int, num_tokens: int) -> int:
         return num_layers * self.kv_count * num_tokens * self.row_bytes
+
+
+def group_plan(group: LayerGroup, device: torch.device) -> _GroupPlan:
+    """Byte strides, copy width and pointer table of one layer group."""
+    s = group.strides
+    item = group.host.dtype.itemsize
+    ptrs = tuple(p for layer in group.kv_pointers() for p in layer)
+    head_bytes = s.head_size * item
+    strides = (s.block_stride * item, s.pos_stride * item, s.head_stride * item)
+    return _GroupPlan(
+        group=group,
+        width=copy_width(head_bytes, *strides, *ptrs),
+        host_ptrs=ptrs,
+        layer_ptrs=torch.tensor(ptrs, dtype=torch.int64, device=device),
+        block_stride=strides[0],
+        pos_stride=strides[1],
+        head_stride=strides[2],
+        head_bytes=head_bytes,
+        row_bytes=group.host.row_bytes,
+        num_heads=s.num_heads,
+        kv_count=group.host.kv_count,
+        num_layers=group.host.num_layers,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -247,29 +271,8 @@ class CudaMover(KVMover):
         plan = state.plans.get(id(layout))
         if plan is not None and plan.layout is layout:
             return plan
-        groups = []
-        for group in layout.groups:
-            s = group.strides
-            item = group.host.dtype.itemsize
-            ptrs = [p for layer in group.kv_pointers() for p in layer]
-            head_bytes = s.head_size * item
-            strides = (s.block_stride * item, s.pos_stride * item, s.head_stride * item)
-            groups.append(
-                _GroupPlan(
-                    group=group,
-                    width=copy_width(head_bytes, *strides, *ptrs),
-                    layer_ptrs=torch.tensor(ptrs, dtype=torch.int64, device=state.device),
-                    block_stride=strides[0],
-                    pos_stride=strides[1],
-                    head_stride=strides[2],
-                    head_bytes=head_bytes,
-                    row_bytes=group.host.row_bytes,
-                    num_heads=s.num_heads,
-                    kv_count=group.host.kv_count,
-                    num_layers=group.host.num_layers,
-                )
-            )
-        plan = _LayoutPlan(layout, tuple(groups), choose_path(layout, self.options.path))
+        groups = tuple(group_plan(group, state.device) for group in layout.groups)
+        plan = _LayoutPlan(layout, groups, choose_path(layout, self.options.path))
         state.plans[id(layout)] = plan
         return plan
 
@@ -599,18 +602,16 @@ class CudaMover(KVMover):
                 runs = _runs(group, plan.layout.block_size, block_ids, transfer, t_begin)
                 slab = group.slab_bytes(1, obj.num_tokens) // group.kv_count
                 host_group = host_base + _group_offset(obj, group)
-                ptrs = group.group.kv_pointers()
-                for layer in range(group.num_layers):
-                    for k in range(group.kv_count):
-                        paged = ptrs[layer][k]
-                        host = host_group + (layer * group.kv_count + k) * slab
-                        for paged_off, host_off, nbytes in runs:
-                            src, dst = paged + paged_off, host + host_off
-                            if not to_host:
-                                src, dst = dst, src
-                            dsts.append(driver.CUdeviceptr(dst))
-                            srcs.append(driver.CUdeviceptr(src))
-                            sizes.append(nbytes)
+                # host_ptrs is layer-major over (layer, K/V), like the host slabs.
+                for lk, paged in enumerate(group.host_ptrs):
+                    host = host_group + lk * slab
+                    for paged_off, host_off, nbytes in runs:
+                        src, dst = paged + paged_off, host + host_off
+                        if not to_host:
+                            src, dst = dst, src
+                        dsts.append(driver.CUdeviceptr(dst))
+                        srcs.append(driver.CUdeviceptr(src))
+                        sizes.append(nbytes)
         if not sizes:
             return
         attrs = driver.CUmemcpyAttributes()
