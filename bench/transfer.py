@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.engine import new_event_loop
 from tiered_kv.gpu.base import ChunkTransfer
+from tiered_kv.gpu.kernels import check_driver
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions, choose_path
 from tiered_kv.layout import KVCacheLayout, build_layout
 from tiered_kv.memory import HostArena, MemoryObj
@@ -214,7 +215,7 @@ async def sweep(case: Case, reps: int, n: int) -> None:
         await _sweep_one(case, reps, n, CudaMover(options), f"mapped ctas={ctas}")
 
 
-async def probe(case: Case, reps: int) -> None:
+async def probe(case: Case, reps: int, profile: bool = False) -> None:
     """Where one call's time goes (enqueue, GPU, wake-up), and the copy kernel alone by CTAs."""
     mover = CudaMover(MoverOptions(path="staging"))
     mover.trace = []
@@ -235,31 +236,51 @@ async def probe(case: Case, reps: int) -> None:
         ):
             mover.trace.clear()
             await _wall(fn, reps)
+            polls = mover.stats()["completion_polls"]
+            await _wall(fn, reps)
+            polls = (mover.stats()["completion_polls"] - polls) / (reps + 1)
             med = {
                 k: statistics.median(t[k] for t in mover.trace)
-                for k in ("enqueue_s", "gpu_s", "observed_s", "total_s")
+                for k in ("enqueue_s", "gpu_s", "observed_s", "finish_s", "total_s")
             }
             gpu_rate = n * case.chunk_bytes / med["gpu_s"] / 1e9
             print(
                 f"probe {case.name} {label}@{n}: enqueue {1e6 * med['enqueue_s']:.0f} us, gpu "
                 f"{1e6 * med['gpu_s']:.0f} us ({gpu_rate:.1f} GB/s), "
-                f"seen done {1e6 * med['observed_s']:.0f} us, total {1e6 * med['total_s']:.0f} us",
+                f"seen done {1e6 * med['observed_s']:.0f} us, on loop {1e6 * med['finish_s']:.0f} "
+                f"us, total {1e6 * med['total_s']:.0f} us, "
+                f"{polls:.0f} polls/call",
                 flush=True,
             )
+    if profile:
+        import cProfile
+        import pstats
+
+        mover.trace = None
+        for n in (1, 32):
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(reps):
+                await mover.gather(case.layout, case.blocks_a, case.transfers(case.objs_a, n))
+            profiler.disable()
+            print(f"probe profile: {reps} stores of {n} chunks, by own time", flush=True)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     state = mover._state(case.layout.device)
     plan = mover._plan(state, case.layout)
     group = plan.groups[0]
     staging = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     ids = torch.tensor(case.blocks_a, dtype=torch.int32, device="cuda")
+    from cuda.bindings import driver
+
     per_layer = group.slab_bytes(1, CHUNK)
     layers = min(group.num_layers, (32 << 20) // per_layer)
     job = [(staging.data_ptr(), 0, 0, CHUNK, 0, layers)]
-    stream = torch.cuda.current_stream()
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
     for ctas in (16, 32, 64, 132, 264, 528):
         for to_host in (True, False):
             ms = _time_ms(
                 lambda ctas=ctas, to_host=to_host: mover._launch(
-                    state, group, stream, to_host, case.layout.block_size, ids, job, ctas
+                    state, group, stream, to_host, case.layout.block_size, ids.data_ptr(), job, ctas
                 ),
                 reps * 3,
             )
@@ -269,6 +290,33 @@ async def probe(case: Case, reps: int) -> None:
                 flush=True,
             )
     await mover.aclose()
+
+
+def dma_sizes(reps: int) -> None:
+    """The copy engines alone: 1 GiB between the GPU and a pinned arena as back-to-back copies
+    of one size, to see what each DMA costs beyond its bytes."""
+    from cuda.bindings import driver
+
+    total = GiB
+    arena = HostArena(total, pin=True)
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    for size in (GiB, 128 << 20, 32 << 20, 8 << 20, 2 << 20):
+        for to_host in (True, False):
+
+            def run(size: int = size, to_host: bool = to_host) -> None:
+                for off in range(0, total, size):
+                    host, gpu = arena.base_ptr + off, dev.data_ptr() + off
+                    src, dst = (gpu, host) if to_host else (host, gpu)
+                    check_driver(driver.cuMemcpyAsync(dst, src, size, stream), "cuMemcpyAsync")
+
+            ms = _time_ms(run, reps)
+            print(
+                f"probe dma {'D2H' if to_host else 'H2D'} {total // size} x {size >> 20} MiB: "
+                f"{total / ms / 1e6:.1f} GB/s",
+                flush=True,
+            )
+    arena.close()
 
 
 async def _sweep_one(case: Case, reps: int, n: int, mover: CudaMover, label: str) -> None:
@@ -436,6 +484,7 @@ def main() -> None:
     parser.add_argument("--cases", default="llama_nhd,llama_hnd,mla,int8_132")
     parser.add_argument("--sweep", action="store_true", help="tune staging slots and CTAs")
     parser.add_argument("--probe", action="store_true", help="time a call's parts and the kernel")
+    parser.add_argument("--profile", action="store_true", help="with --probe: cProfile stores")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/transfer.py needs a CUDA device")
@@ -447,7 +496,9 @@ def main() -> None:
     for name in args.cases.split(","):
         case = Case(name, counts[-1])
         if args.probe:
-            run(probe(case, reps))
+            if name == args.cases.split(",")[0]:
+                dma_sizes(reps)
+            run(probe(case, reps, args.profile))
         if args.sweep:
             run(sweep(case, reps, counts[-1]))
         if args.sweep or args.probe:

@@ -237,8 +237,9 @@ def test_dma_runs_cover_exactly_the_rows(fmt: str, skip: int) -> None:
         assert arena.close() == 0
 
 
+@pytest.mark.parametrize("ramp_up", [True, False])
 @pytest.mark.parametrize("slot_kib", [2, 5, 64])
-def test_staging_fills_cover_every_layer_once_within_a_slot(slot_kib: int) -> None:
+def test_staging_fills_cover_every_layer_once_within_a_slot(slot_kib: int, ramp_up: bool) -> None:
     layout, _ = _layout("vllm_nhd", num_layers=5)
     plan = _plan(layout)
     arena = HostArena(4 << 20, pin=False)
@@ -247,15 +248,22 @@ def test_staging_fills_cover_every_layer_once_within_a_slot(slot_kib: int) -> No
     slot = slot_kib * 1024
     try:
         seen: dict[int, list[int]] = {id(t): [] for t in transfers}
-        for group, fill in _slot_fills(plan, transfers, slot):
+        sizes = []
+        for group, fill in _slot_fills(plan, transfers, slot, ramp_up=ramp_up):
             assert 1 <= len(fill) <= MAX_JOBS
-            assert sum(group.slab_bytes(l1 - l0, t.obj.num_tokens) for t, l0, l1 in fill) <= slot
+            sizes.append(sum(group.slab_bytes(l1 - l0, t.obj.num_tokens) for t, l0, l1 in fill))
+            assert sizes[-1] <= slot
             for transfer, l0, l1 in fill:
                 seen[id(transfer)].extend(range(l0, l1))
         assert all(layers == list(range(5)) for layers in seen.values())
         with pytest.raises(ValueError, match="one layer"):
-            list(_slot_fills(plan, transfers, 1024))
+            list(_slot_fills(plan, transfers, 1024, ramp_up=ramp_up))
     finally:
         for t in transfers:
             t.obj.unref()
         assert arena.close() == 0
+    if slot_kib == 64:  # layers (1 KiB) small enough for the ramps to show
+        ends = sizes[:3] if ramp_up else sizes[-3:]
+        assert max(ends) <= slot // 2, sizes
+        assert (ends[0] if ramp_up else ends[-1]) <= slot // 8, sizes
+        assert max(sizes) > slot // 2  # full-size fills in between

@@ -1,8 +1,9 @@
 """`CudaMover`: the mover for CUDA KV caches: NVRTC copy kernels and DMA on its own streams.
 
 Owns, per device: a store stream and a higher-priority load stream (each with a DMA companion
-stream), a ring of GPU staging slots per direction, the events that order them, and a waiter
-thread that turns "the GPU finished" into an asyncio result. Per registered layout: each group's
+stream), a ring of GPU staging slots per direction, the events that order them, and a pool of
+per-call buffers (block table, timing events); per mover, a `CompletionWaiter` thread that turns
+"the GPU finished" into an asyncio result. Per registered layout: each group's
 copy plan (vector width, byte strides, a device table of layer pointers). Three paths:
 
 - ``staging``: a kernel gathers a slice of a chunk (some layers of one group) into a GPU staging
@@ -17,14 +18,15 @@ copy plan (vector width, byte strides, a device table of layer pointers). Three 
 ``auto`` (the default) picks per layout: see `choose_path`. Ordering: a gather waits (on the GPU)
 for an event recorded on the caller's current stream; after a scatter the caller's current
 stream waits on the load's event. The mover holds references to every object until the GPU is
-done with it, so callers may be cancelled at any time. Enqueueing never awaits, so calls from
-concurrent tasks never interleave their use of the staging ring.
+done with it, so callers may be cancelled at any time. Staging enqueues may interleave between
+fills (concurrent calls share the ring); each fill is enqueued atomically and the slot events
+order every use of a slot.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
-import concurrent.futures
 import ctypes
 import dataclasses
 import struct
@@ -36,6 +38,7 @@ import torch
 
 from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.completion import CompletionWaiter, TransferClock
 from tiered_kv.gpu.kernels import COPY_WIDTHS, DeviceKernels, check_driver, load_kernels
 from tiered_kv.layout import KVCacheLayout, LayerGroup
 from tiered_kv.memory import HostArena, MemoryObj
@@ -48,11 +51,8 @@ _PARAMS_SIZE = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size
 _THREADS = 256
 _UNROLL = 4  # TKV_UNROLL
 JOB_MAX_BYTES = 1 << 30
-# Completion: sleep for 90% of bytes / this rate, then poll (see `_wait_for`).
-EXPECTED_BYTES_PER_S = 60e9
-POLL_MIN_S = 20e-6
-POLL_MAX_S = 100e-6
-RAMP_STEPS = 3  # first staging fills of a call: slot/8, slot/4, slot/2
+RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `_slot_fills`
+LEAD_SLOTS = 2  # staging enqueues this many slots' worth before yielding to the loop
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
 # below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
 DMA_MIN_RUN_BYTES = 64 * 1024
@@ -167,11 +167,16 @@ def choose_path(layout: KVCacheLayout, requested: str = "auto") -> str:
 
 
 class _Direction:
-    """One direction's streams (kernel + DMA), staging ring and its events."""
+    """One direction's streams (kernel + DMA), staging ring and its events, and the clock that
+    predicts when its queued calls finish."""
 
     def __init__(self, device: torch.device, priority: int, slots: int) -> None:
+        from cuda.bindings import driver
+
         self.kernel_stream = torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
         self.dma_stream = torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
+        self.kernel_cu = driver.CUstream(self.kernel_stream.cuda_stream)
+        self.dma_cu = driver.CUstream(self.dma_stream.cuda_stream)
         self.slots: list[torch.Tensor] = []
         self.slot_bytes = 0
         self.filled = [torch.cuda.Event() for _ in range(slots)]  # type: ignore[no-untyped-call]
@@ -180,6 +185,7 @@ class _Direction:
         self.next_slot = 0
         self.device = device
         self.slot_count = slots
+        self.clock = TransferClock()
 
     def ensure_slots(self, nbytes: int) -> None:
         """Staging slots of at least ``nbytes`` each; reallocating waits for the old ones' use."""
@@ -195,6 +201,42 @@ class _Direction:
         self.used = [False] * self.slot_count
 
 
+class _CallBuffers:
+    """What one call owns until the GPU is done with it: its block table (pinned host copy and
+    device copy) and its timing events. Pooled per device, so a call allocates nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.capacity = 0
+        self.host_ids = torch.empty(0, dtype=torch.int32)
+        self.device_ids = torch.empty(0, dtype=torch.int32, device=device)
+        self.begun = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self.done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+    def upload_ids(self, block_ids: Sequence[int], stream: Any) -> int:
+        """Queue the block table's copy to the device on ``stream``; returns its device address.
+        The pinned source stays untouched until the call completes (the buffers are the call's)."""
+        from cuda.bindings import driver
+
+        try:
+            ids = array.array("i", block_ids)
+        except OverflowError as exc:
+            raise LayoutError(f"block ids must fit in int32: {exc}") from None
+        if len(ids) > self.capacity:
+            self.capacity = max(len(ids), 2 * self.capacity, 1024)
+            self.host_ids = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
+            self.device_ids = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
+        nbytes = len(ids) * ids.itemsize
+        ctypes.memmove(self.host_ids.data_ptr(), ids.buffer_info()[0], nbytes)
+        check_driver(
+            driver.cuMemcpyHtoDAsync(
+                self.device_ids.data_ptr(), self.host_ids.data_ptr(), nbytes, stream
+            ),
+            "cuMemcpyHtoDAsync(block ids)",
+        )
+        return self.device_ids.data_ptr()
+
+
 class _DeviceState:
     def __init__(self, device: torch.device, kernels: DeviceKernels, options: MoverOptions) -> None:
         self.device = device
@@ -205,6 +247,26 @@ class _DeviceState:
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self.host_delta: dict[int, int] = {}  # arena base → device address minus host address
         self.plans: dict[int, _LayoutPlan] = {}
+        self.buffers: list[_CallBuffers] = []  # free ones
+
+    def take_buffers(self) -> _CallBuffers:
+        return self.buffers.pop() if self.buffers else _CallBuffers(self.device)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Call:
+    """One gather or scatter from enqueue to release."""
+
+    direction: str
+    path: str
+    state: _DeviceState
+    side: _Direction
+    buffers: _CallBuffers
+    held: list[MemoryObj]
+    nbytes: int
+    start: float
+    result: asyncio.Future[float]
+    trace: dict[str, Any] | None = None
 
 
 class CudaMover(KVMover):
@@ -212,11 +274,11 @@ class CudaMover(KVMover):
 
     name = "cuda"
 
-    def __init__(self, options: MoverOptions | None = None, *, waiters: int = 2) -> None:
+    def __init__(self, options: MoverOptions | None = None) -> None:
         self.options = options or MoverOptions()
         self._devices: dict[int, _DeviceState] = {}
-        # Completion is awaited on these threads (sleep, then poll): no blocked loop, no spinning.
-        self._waiter = concurrent.futures.ThreadPoolExecutor(waiters, thread_name_prefix="tkv-cuda")
+        # Completion is seen by this thread (sleep, then poll near the predicted end).
+        self._waiter = CompletionWaiter()
         self._counters: dict[str, int | float] = {
             f"{direction}_{path}_{what}": 0
             for direction in ("gather", "scatter")
@@ -229,7 +291,10 @@ class CudaMover(KVMover):
         # Set to a list to record, per call, enqueue time, GPU time and total (benchmarks only:
         # it adds events on the caller's stream).
         self.trace: list[dict[str, Any]] | None = None
-        self._inflight: set[asyncio.Future[None]] = set()
+        self._inflight: set[_Call] = set()
+        self._idle: asyncio.Future[None] | None = None
+        self._params = ctypes.create_string_buffer(_PARAMS_SIZE)
+        self._params_arg = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
 
     # -- public --------------------------------------------------------------------------------
     def path_for(self, layout: KVCacheLayout) -> str:
@@ -246,13 +311,18 @@ class CudaMover(KVMover):
         await self._move("scatter", layout, block_ids, transfers)
 
     def stats(self) -> dict[str, int | float]:
-        return dict(self._counters)
+        return {
+            **self._counters,
+            "completion_polls": self._waiter.polls,
+            "completion_pokes": self._waiter.pokes,
+        }
 
     async def aclose(self) -> None:
-        """Wait for calls still on the GPU (their callers may be gone), then stop the threads."""
-        if self._inflight:
-            await asyncio.wait(list(self._inflight))
-        await asyncio.get_running_loop().run_in_executor(None, self._waiter.shutdown)
+        """Wait for calls still on the GPU (their callers may be gone), then stop the thread."""
+        while self._inflight:
+            self._idle = asyncio.get_running_loop().create_future()
+            await self._idle
+        self._waiter.close()
         self._devices.clear()
 
     # -- planning ----------------------------------------------------------------------------
@@ -301,141 +371,161 @@ class CudaMover(KVMover):
         block_ids: Sequence[int],
         transfers: Sequence[ChunkTransfer],
     ) -> None:
+        """Enqueue the call in the caller's task, hand its completion event to the waiter and
+        await the result. The call owns references to its objects and its buffers until the
+        waiter has seen the GPU finish (`_finish`), whatever happens to the caller: cancelled
+        while enqueueing, the call is still enqueued whole; cancelled while awaiting, the caller
+        returns at once."""
         if not transfers:
             return
         start = time.perf_counter()
         state = self._state(layout.device)
         plan = self._plan(state, layout)
         to_host = direction == "gather"
-        held = [t.obj.ref() for t in transfers]
-        trace: dict[str, Any] = {}
-        # The call runs as its own task, shielded: a cancelled caller returns at once, while the
-        # task keeps its references until the GPU is done with the objects.
-        task = asyncio.ensure_future(
-            self._run(state, plan, to_host, block_ids, transfers, held, trace)
+        side = state.store if to_host else state.load
+        loop = asyncio.get_running_loop()
+        call = _Call(
+            direction=direction,
+            path=plan.path,
+            state=state,
+            side=side,
+            buffers=state.take_buffers(),
+            held=[t.obj.ref() for t in transfers],
+            nbytes=sum(_moved_bytes(t, to_host) for t in transfers),
+            start=start,
+            result=loop.create_future(),
+            trace={} if self.trace is not None else None,
         )
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        await asyncio.shield(task)
-        moved = sum(_moved_bytes(t, to_host) for t in transfers)
-        self._counters[f"{direction}_{plan.path}_bytes"] += moved
+        caller = torch.cuda.current_stream(state.device)
+        try:
+            cancelled = await self._enqueue(call, plan, caller, to_host, block_ids, transfers)
+        except BaseException:
+            # Part of the call may be queued and still touch the objects: let it finish.
+            torch.cuda.synchronize(state.device)
+            self._release(call)
+            raise
+        if not to_host:
+            caller.wait_event(call.buffers.done)  # the engine's next kernels see the loaded KV
+        if call.trace is not None:
+            call.trace["enqueued"] = time.perf_counter()
+            call.trace["gpu_end"] = end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            caller.wait_event(call.buffers.done)
+            end.record(caller)
+        predicted_start, predicted = side.clock.schedule(call.nbytes, start)
+        self._inflight.add(call)
+        self._waiter.submit(
+            call.buffers.done,
+            predicted_start,
+            predicted,
+            loop,
+            lambda seen: self._finish(call, seen),
+        )
+        if cancelled:
+            raise asyncio.CancelledError
+        seen = await call.result
+        self._counters[f"{direction}_{plan.path}_bytes"] += call.nbytes
         self._counters[f"{direction}_{plan.path}_calls"] += 1
         self._counters[f"{direction}_seconds"] += time.perf_counter() - start
-        self._counters["bytes_gathered" if to_host else "bytes_scattered"] += moved
-        if self.trace is not None and "gpu_start" in trace:
-            gpu_s = trace["gpu_start"].elapsed_time(trace["gpu_end"]) / 1e3
+        self._counters["bytes_gathered" if to_host else "bytes_scattered"] += call.nbytes
+        if self.trace is not None and call.trace is not None:
+            trace = call.trace
             self.trace.append(
                 {
                     "direction": direction,
-                    "bytes": moved,
+                    "bytes": call.nbytes,
                     "enqueue_s": trace["enqueued"] - start,
-                    "gpu_s": gpu_s,
-                    "observed_s": trace["observed"] - start,
+                    "gpu_s": trace["gpu_start"].elapsed_time(trace["gpu_end"]) / 1e3,
+                    "observed_s": seen - start,
+                    "finish_s": trace["finish"] - start,
                     "total_s": time.perf_counter() - start,
                 }
             )
 
-    async def _run(
-        self,
-        state: _DeviceState,
-        plan: _LayoutPlan,
-        to_host: bool,
-        block_ids: Sequence[int],
-        transfers: Sequence[ChunkTransfer],
-        held: list[MemoryObj],
-        trace: dict[str, Any],
-    ) -> None:
-        side = state.store if to_host else state.load
-        caller = torch.cuda.current_stream(state.device)
-        try:
-            if self.trace is not None:
-                trace["gpu_start"] = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                trace["gpu_start"].record(caller)
-            try:
-                done = await self._enqueue(state, plan, side, caller, to_host, block_ids, transfers)
-            except BaseException:
-                # Part of the call may be queued and still touch the objects: let it finish.
-                torch.cuda.synchronize(state.device)
-                raise
-            if not to_host:
-                caller.wait_event(done)  # the engine's next kernels see the loaded KV
-            trace["enqueued"] = time.perf_counter()
-            if self.trace is not None:
-                trace["gpu_end"] = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                caller.wait_event(done)
-                trace["gpu_end"].record(caller)
-            expected = sum(_moved_bytes(t, to_host) for t in transfers) / EXPECTED_BYTES_PER_S
-            waiting = asyncio.get_running_loop().run_in_executor(
-                self._waiter, _wait_for, done, expected
-            )
-            try:
-                trace["observed"] = await waiting
-            except asyncio.CancelledError:
-                done.synchronize()  # only when the loop itself is torn down: block, then release
-                raise
-        finally:
-            for obj in held:
-                obj.unref()
+    def _finish(self, call: _Call, seen: float) -> None:
+        """On the call's loop, once the waiter saw its last event: learn the rate, release."""
+        buffers = call.buffers
+        if call.trace is not None:
+            call.trace["finish"] = time.perf_counter()
+        call.side.clock.observe(call.nbytes, buffers.begun.elapsed_time(buffers.done) / 1e3)
+        self._release(call)
+        self._inflight.discard(call)
+        if not call.result.done():  # the caller may have been cancelled
+            call.result.set_result(seen)
+        if not self._inflight and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _release(self, call: _Call) -> None:
+        for obj in call.held:
+            obj.unref()
+        call.held = []
+        call.state.buffers.append(call.buffers)
 
     async def _enqueue(
         self,
-        state: _DeviceState,
+        call: _Call,
         plan: _LayoutPlan,
-        side: _Direction,
         caller: torch.cuda.Stream,
         to_host: bool,
         block_ids: Sequence[int],
         transfers: Sequence[ChunkTransfer],
-    ) -> torch.cuda.Event:
-        """Queue the whole call on the GPU; returns the event that completes it. Staging yields
-        to the loop between slot fills, so a store and a retrieve enqueued at once both start
-        at once; each fill is atomic, and the slot events keep the ring ordered across calls."""
+    ) -> bool:
+        """Queue the whole call on the GPU, ending with ``call.buffers.done``. Staging yields to
+        the loop between fills once a lead is queued, so a store and a retrieve started together
+        both start at once; each fill is atomic, and the slot events keep the ring ordered across
+        calls. Returns whether the caller was cancelled meanwhile (the call is enqueued whole
+        regardless)."""
+        state, side, buffers = call.state, call.side, call.buffers
         state.kernels.make_current()
+        if call.trace is not None:
+            call.trace["gpu_start"] = begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            begin.record(caller)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(caller)
         # Whatever first touches the paged cache waits for the caller's queued work: the kernels,
         # or the copies on the DMA-only path. (Staging DMAs are ordered through the slot events.)
-        (side.dma_stream if plan.path == "dma" else side.kernel_stream).wait_event(ready)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        first = side.dma_stream if plan.path == "dma" else side.kernel_stream
+        first.wait_event(ready)
+        # `begun` precedes all of the call's GPU work (a staging scatter starts with DMAs that
+        # need not wait for the caller), so the clock never learns a rate faster than the link.
+        opening = side.dma_stream if plan.path == "staging" and not to_host else first
+        buffers.begun.record(opening)
         if plan.path == "dma":
             self._enqueue_dma(state, plan, side, to_host, block_ids, transfers)
-            done.record(side.dma_stream)
-            return done
-        with torch.cuda.stream(side.kernel_stream):
-            # Pinned source: a pageable one would make the driver wait for the stream's queued
-            # work on the host, blocking the loop behind earlier calls.
-            ids = torch.tensor(block_ids, dtype=torch.int32).pin_memory()
-            device_ids = ids.to(state.device, non_blocking=True)
+            buffers.done.record(side.dma_stream)
+            return False
+        device_ids = buffers.upload_ids(block_ids, side.kernel_cu)
         if plan.path == "mapped":
             self._enqueue_mapped(state, plan, side, to_host, device_ids, transfers)
-            done.record(side.kernel_stream)
-        else:
-            await self._enqueue_staging(state, plan, side, to_host, device_ids, transfers)
-            # Gathers end with a DMA, scatters with a kernel; each waited for the other.
-            done.record(side.dma_stream if to_host else side.kernel_stream)
-        return done
+            buffers.done.record(side.kernel_stream)
+            return False
+        cancelled = await self._enqueue_staging(state, plan, side, to_host, device_ids, transfers)
+        # Gathers end with a DMA, scatters with a kernel; each waited for the other.
+        buffers.done.record(side.dma_stream if to_host else side.kernel_stream)
+        return cancelled
 
     # -- paths ---------------------------------------------------------------------------------
     def _launch(
         self,
         state: _DeviceState,
         group: _GroupPlan,
-        stream: torch.cuda.Stream,
+        stream: Any,
         to_host: bool,
         block_size: int,
-        device_ids: torch.Tensor,
+        device_ids: int,
         jobs: Sequence[tuple[int, int, int, int, int, int]],
         ctas: int,
     ) -> None:
-        """One launch of the copy kernel over up to `MAX_JOBS` jobs of one group."""
+        """One launch of the copy kernel over up to `MAX_JOBS` jobs of one group, on ``stream``
+        (a ``CUstream``). The parameter block is packed into one reused buffer: the driver copies
+        it at launch."""
         from cuda.bindings import driver
 
-        params = ctypes.create_string_buffer(_PARAMS_SIZE)
+        params = self._params
         _PARAMS_HEAD.pack_into(
             params,
             0,
             group.layer_ptrs.data_ptr(),
-            device_ids.data_ptr(),
+            device_ids,
             group.block_stride,
             group.pos_stride,
             group.head_stride,
@@ -466,7 +556,6 @@ class CudaMover(KVMover):
             max_vectors = max(max_vectors, vectors)
         per_cta = _THREADS * _UNROLL
         grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_vectors // per_cta)))
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         function = state.kernels.function("gather" if to_host else "scatter", group.width)
         check_driver(
             driver.cuLaunchKernel(
@@ -478,8 +567,8 @@ class CudaMover(KVMover):
                 1,
                 1,
                 0,
-                driver.CUstream(stream.cuda_stream),
-                ctypes.addressof(args),
+                stream,
+                ctypes.addressof(self._params_arg),
                 0,
             ),
             "cuLaunchKernel(tkv copy)",
@@ -491,7 +580,7 @@ class CudaMover(KVMover):
         plan: _LayoutPlan,
         side: _Direction,
         to_host: bool,
-        device_ids: torch.Tensor,
+        device_ids: int,
         transfers: Sequence[ChunkTransfer],
     ) -> None:
         ctas = self.options.mapped_ctas or 2 * state.sm_count
@@ -512,7 +601,7 @@ class CudaMover(KVMover):
                     jobs.append((start, transfer.token_start, t_begin, obj.num_tokens, l0, l1))
             for batch in _batches(jobs, MAX_JOBS):
                 self._launch(
-                    state, group, side.kernel_stream, to_host, block_size, device_ids, batch, ctas
+                    state, group, side.kernel_cu, to_host, block_size, device_ids, batch, ctas
                 )
 
     async def _enqueue_staging(
@@ -521,9 +610,10 @@ class CudaMover(KVMover):
         plan: _LayoutPlan,
         side: _Direction,
         to_host: bool,
-        device_ids: torch.Tensor,
+        device_ids: int,
         transfers: Sequence[ChunkTransfer],
-    ) -> None:
+    ) -> bool:
+        """Returns whether the caller was cancelled at one of the yields (see `_enqueue`)."""
         from cuda.bindings import driver
 
         block_size = plan.layout.block_size
@@ -532,13 +622,16 @@ class CudaMover(KVMover):
             g.slab_bytes(1, t.obj.num_tokens) for g in plan.groups for t in transfers
         )
         side.ensure_slots(max(self.options.staging_slot_bytes, largest_layer))
-        dma_stream = driver.CUstream(side.dma_stream.cuda_stream)
-        for group, pieces in _slot_fills(plan, transfers, side.slot_bytes):
+        dma = side.dma_cu
+        lead = LEAD_SLOTS * side.slot_bytes
+        queued = 0
+        cancelled = False
+        for group, pieces in _slot_fills(plan, transfers, side.slot_bytes, ramp_up=to_host):
             slot = side.next_slot
             side.next_slot = (slot + 1) % side.slot_count
             base = side.slots[slot].data_ptr()
             jobs = []
-            copies = []  # (host address, slot address, bytes)
+            copies: list[tuple[int, int, int]] = []  # (host, slot address, bytes)
             offset = 0
             for transfer, l0, l1 in pieces:
                 obj = transfer.obj
@@ -548,37 +641,43 @@ class CudaMover(KVMover):
                 t_begin = 0 if to_host else transfer.skip_tokens
                 # The job's slab starts at layer l0 inside the slot.
                 jobs.append((base + offset, transfer.token_start, t_begin, obj.num_tokens, l0, l1))
-                copies.append((host, base + offset, nbytes))
+                if copies and copies[-1][0] + copies[-1][2] == host:
+                    # Adjacent on the host too (consecutive layers, or neighbouring objects):
+                    # one DMA.
+                    copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + nbytes)
+                else:
+                    copies.append((host, base + offset, nbytes))
                 offset += nbytes
             if to_host:
                 if side.used[slot]:
                     side.kernel_stream.wait_event(side.freed[slot])
-                self._launch(
-                    state, group, side.kernel_stream, True, block_size, device_ids, jobs, ctas
-                )
+                self._launch(state, group, side.kernel_cu, True, block_size, device_ids, jobs, ctas)
                 side.filled[slot].record(side.kernel_stream)
                 side.dma_stream.wait_event(side.filled[slot])
                 for host, dev, nbytes in copies:
-                    check_driver(
-                        driver.cuMemcpyAsync(host, dev, nbytes, dma_stream), "cuMemcpyAsync"
-                    )
+                    check_driver(driver.cuMemcpyAsync(host, dev, nbytes, dma), "cuMemcpyAsync")
                 side.freed[slot].record(side.dma_stream)
             else:
                 if side.used[slot]:
                     side.dma_stream.wait_event(side.freed[slot])
                 for host, dev, nbytes in copies:
-                    check_driver(
-                        driver.cuMemcpyAsync(dev, host, nbytes, dma_stream), "cuMemcpyAsync"
-                    )
+                    check_driver(driver.cuMemcpyAsync(dev, host, nbytes, dma), "cuMemcpyAsync")
                 side.filled[slot].record(side.dma_stream)
                 side.kernel_stream.wait_event(side.filled[slot])
                 self._launch(
-                    state, group, side.kernel_stream, False, block_size, device_ids, jobs, ctas
+                    state, group, side.kernel_cu, False, block_size, device_ids, jobs, ctas
                 )
                 side.freed[slot].record(side.kernel_stream)
             side.used[slot] = True
-            await asyncio.sleep(0)  # let a concurrent call of the other direction enqueue too
-            state.kernels.make_current()
+            queued += offset
+            if queued >= lead and not cancelled:
+                # A lead is queued: let a concurrent call of the other direction enqueue too.
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    cancelled = True  # finish enqueueing without yielding; the caller re-raises
+                state.kernels.make_current()
+        return cancelled
 
     def _enqueue_dma(
         self,
@@ -624,21 +723,6 @@ class CudaMover(KVMover):
         )
 
 
-def _wait_for(event: torch.cuda.Event, expected_s: float) -> float:
-    """Return soon after ``event`` completes, without spinning a core: sleep through most of the
-    expected transfer time, then poll with a sleep that doubles from 20 µs up to 100 µs. (A
-    blocking-sync event wait measured 0.6-0.9 ms of wake-up latency on an H200.)"""
-    if event.query():  # type: ignore[no-untyped-call]
-        return time.perf_counter()
-    if expected_s > 2 * POLL_MIN_S:
-        time.sleep(expected_s * 0.9)
-    interval = POLL_MIN_S
-    while not event.query():  # type: ignore[no-untyped-call]
-        time.sleep(interval)
-        interval = min(POLL_MAX_S, interval * 2)
-    return time.perf_counter()
-
-
 def _moved_bytes(transfer: ChunkTransfer, to_host: bool) -> int:
     obj = transfer.obj
     if to_host or not transfer.skip_tokens:
@@ -656,15 +740,26 @@ def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 
 
 def _slot_fills(
-    plan: _LayoutPlan, transfers: Sequence[ChunkTransfer], slot_bytes: int
+    plan: _LayoutPlan, transfers: Sequence[ChunkTransfer], slot_bytes: int, *, ramp_up: bool
 ) -> Iterator[tuple[_GroupPlan, list[tuple[ChunkTransfer, int, int]]]]:
     """Pack (chunk, layer range) pieces of one group at a time into staging slots: each fill is
-    at most ``slot_bytes`` and `MAX_JOBS` pieces, and becomes one launch plus its DMAs. The first
-    fills of a call are smaller (1/8, 1/4, 1/2 of a slot) so the first DMA starts early."""
+    at most ``slot_bytes`` and `MAX_JOBS` pieces, and becomes one launch plus its DMAs. The part
+    of a call that nothing overlaps is kept short: a gather (kernel, then DMA) ramps up, its first
+    fills 1/8, 1/4 and 1/2 of a slot, so the first DMA starts early; a scatter (DMA, then kernel)
+    ramps down, each fill of the last slot's worth taking half of what is left (down to 1/8 of a
+    slot), so the last kernel is short."""
     fills = 0
+    remaining = sum(
+        g.slab_bytes(g.num_layers, t.obj.num_tokens) for g in plan.groups for t in transfers
+    )
+    cap = 0
 
     def capacity() -> int:
-        return slot_bytes >> max(0, RAMP_STEPS - fills)
+        if ramp_up:
+            return slot_bytes >> max(0, RAMP_STEPS - fills)
+        if remaining > slot_bytes:
+            return slot_bytes
+        return max(slot_bytes >> RAMP_STEPS, remaining // 2)
 
     for group in plan.groups:
         fill: list[tuple[ChunkTransfer, int, int]] = []
@@ -675,11 +770,13 @@ def _slot_fills(
                 raise ValueError(f"staging slot of {slot_bytes} bytes < one layer's {per_layer}")
             layer = 0
             while layer < group.num_layers:
-                cap = max(capacity(), per_layer)
-                room = (cap - used) // per_layer
+                if not fill:
+                    cap = capacity()
+                room = (max(cap, per_layer) - used) // per_layer
                 if room <= 0 or len(fill) == MAX_JOBS:
                     yield group, fill
                     fills += 1
+                    remaining -= used
                     fill, used = [], 0
                     continue
                 end = min(group.num_layers, layer + room)
@@ -689,6 +786,7 @@ def _slot_fills(
         if fill:
             yield group, fill
             fills += 1
+            remaining -= used
 
 
 def _runs(
