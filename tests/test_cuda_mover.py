@@ -188,6 +188,45 @@ async def test_heterogeneous_groups_incl_132_byte_int8_rows(
         assert arena.close() == 0
 
 
+@pytest.mark.parametrize("path", ["staging", "mapped"])
+@pytest.mark.parametrize("skip", [0, 5, 48])
+async def test_whole_blocks_of_narrow_rows_copy_as_wide_rows(path: str, skip: int) -> None:
+    """132-byte int8 rows in chunks of whole blocks go through the block-row plan (16-byte
+    vectors); a skip inside a block falls back to rows. Both must match the reference."""
+    mover, oracle = CudaMover(MoverOptions(path=path)), TorchMover()
+
+    def caches() -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(17)
+        raw = [torch.randint(0, 256, (24, BLOCK, 132), generator=gen) for _ in range(3)]
+        return [r.to(torch.uint8).cuda().view(torch.int8) for r in raw]
+
+    ours, theirs = caches(), caches()
+    lo, lt = build_layout(ours, chunk_size=64), build_layout(theirs, chunk_size=64)
+    arena = HostArena(8 << 20, pin=True)
+    try:
+        src, dst = [20, 3, 11, 7, 0, 15, 9, 1], [2, 18, 6, 22, 13, 4, 17, 8]
+        a, b = _objects(arena, lo, 128, 64), _objects(arena, lt, 128, 64)
+        await mover.gather(lo, src, _transfers(a, 0, 64))
+        await oracle.gather(lt, src, _transfers(b, 0, 64))
+        assert all(torch.equal(x.raw(), y.raw()) for x, y in zip(a, b, strict=True))
+        assert mover.stats()["kernel_launches_block_rows"] == mover.stats()["kernel_launches"]
+        before = mover.stats()["kernel_launches_block_rows"]
+        _poison(ours, dst)
+        _poison(theirs, dst)
+        await mover.scatter(lo, dst, _transfers(a, skip, 64))
+        await oracle.scatter(lt, dst, _transfers(b, skip, 64))
+        torch.cuda.synchronize()
+        for x, y in zip(ours, theirs, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        block_rows = mover.stats()["kernel_launches_block_rows"] > before
+        assert block_rows == (skip % BLOCK == 0)
+        for obj in (*a, *b):
+            obj.unref()
+    finally:
+        await mover.aclose()
+        assert arena.close() == 0
+
+
 @pytest.mark.parametrize("path", PATHS)
 async def test_many_chunks_in_one_call(movers: dict[str, KVMover], path: str) -> None:
     # 70 chunks of 16 tokens: more jobs than one launch carries, several staging fills.

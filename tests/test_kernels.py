@@ -188,6 +188,24 @@ def _plan(layout: KVCacheLayout) -> _LayoutPlan:
     return _LayoutPlan(layout, groups, "staging")
 
 
+def test_block_rows_widen_narrow_contiguous_rows_only() -> None:
+    """132-byte int8 rows copy at width 4; a whole block of them (16 x 132 = 2112 bytes) at 16."""
+    int8, _ = _layout("vllm_nhd", torch.int8, num_heads=1, head_size=132)
+    (plan,) = _plan(int8).groups
+    assert plan.width == 4
+    assert plan.block_rows is not None
+    assert plan.block_rows.width == 16
+    assert plan.block_rows.row_bytes == 16 * 132 == plan.block_rows.head_bytes
+    assert plan.block_rows.pos_stride == plan.block_stride  # one "row" per block
+    assert plan.block_rows.slab_bytes(2, 2) == plan.slab_bytes(2, 32)
+    # Rows not contiguous within a block (HND view): no block rows.
+    hnd, _ = _layout("vllm_hnd_view", torch.int8, num_heads=2, head_size=66)
+    assert _plan(hnd).groups[0].block_rows is None
+    # Already at width 16: nothing to gain.
+    wide, _ = _layout("vllm_nhd", num_heads=2, head_size=64)
+    assert _plan(wide).groups[0].block_rows is None
+
+
 def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:
     small, _ = _layout("vllm_nhd")
     assert choose_path(small) == "staging"  # 16 tokens x 32 bytes: runs far too short

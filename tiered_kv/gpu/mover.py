@@ -105,6 +105,10 @@ class _GroupPlan:
     num_heads: int
     kv_count: int
     num_layers: int
+    # Where a block's rows are contiguous (NHD-like) and that allows a wider vector: the same
+    # group seen with one row per block (block_size x row_bytes bytes), for jobs whose token
+    # ranges fall on block boundaries. 132-byte int8 rows copy at 16 bytes instead of 4.
+    block_rows: _GroupPlan | None = None
 
     def slab_bytes(self, num_layers: int, num_tokens: int) -> int:
         return num_layers * self.kv_count * num_tokens * self.row_bytes
@@ -116,8 +120,9 @@ def group_plan(group: LayerGroup, device: torch.device) -> _GroupPlan:
     item = group.host.dtype.itemsize
     ptrs = tuple(p for layer in group.kv_pointers() for p in layer)
     head_bytes = s.head_size * item
+    row_bytes = group.host.row_bytes
     strides = (s.block_stride * item, s.pos_stride * item, s.head_stride * item)
-    return _GroupPlan(
+    plan = _GroupPlan(
         group=group,
         width=copy_width(head_bytes, *strides, *ptrs),
         host_ptrs=ptrs,
@@ -126,11 +131,26 @@ def group_plan(group: LayerGroup, device: torch.device) -> _GroupPlan:
         pos_stride=strides[1],
         head_stride=strides[2],
         head_bytes=head_bytes,
-        row_bytes=group.host.row_bytes,
+        row_bytes=row_bytes,
         num_heads=s.num_heads,
         kv_count=group.host.kv_count,
         num_layers=group.host.num_layers,
     )
+    block_row = s.block_size * row_bytes
+    if (s.num_heads == 1 or strides[2] == head_bytes) and strides[1] == row_bytes:
+        width = copy_width(block_row, strides[0], *ptrs)
+        if width > plan.width:
+            block_rows = dataclasses.replace(
+                plan,
+                width=width,
+                pos_stride=strides[0],
+                head_stride=block_row,
+                head_bytes=block_row,
+                row_bytes=block_row,
+                num_heads=1,
+            )
+            plan = dataclasses.replace(plan, block_rows=block_rows)
+    return plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -286,7 +306,12 @@ class CudaMover(KVMover):
             for what in ("bytes", "calls")
         }
         self._counters.update(
-            bytes_gathered=0, bytes_scattered=0, gather_seconds=0.0, scatter_seconds=0.0
+            bytes_gathered=0,
+            bytes_scattered=0,
+            gather_seconds=0.0,
+            scatter_seconds=0.0,
+            kernel_launches=0,
+            kernel_launches_block_rows=0,
         )
         # Set to a list to record, per call, enqueue time, GPU time and total (benchmarks only:
         # it adds events on the caller's stream).
@@ -520,6 +545,19 @@ class CudaMover(KVMover):
         it at launch."""
         from cuda.bindings import driver
 
+        if group.block_rows is not None and all(
+            job[1] % block_size == 0 and job[2] % block_size == 0 and job[3] % block_size == 0
+            for job in jobs
+        ):
+            # Whole blocks only: copy them as one wide row each (tokens become blocks).
+            group = group.block_rows
+            jobs = [
+                (host, start // block_size, t0 // block_size, n // block_size, l0, l1)
+                for host, start, t0, n, l0, l1 in jobs
+            ]
+            block_size = 1
+            self._counters["kernel_launches_block_rows"] += 1
+        self._counters["kernel_launches"] += 1
         params = self._params
         _PARAMS_HEAD.pack_into(
             params,
