@@ -43,6 +43,7 @@ GiB = 1 << 30
 CHUNK = 256
 BLOCK = 16
 LAYERS = 32
+SLOT_BYTES = MoverOptions().staging_slot_bytes  # --slot-mib
 
 
 # -- ceilings -------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ async def sweep(case: Case, reps: int, n: int) -> None:
 
 async def probe(case: Case, reps: int, profile: bool = False) -> None:
     """Where one call's time goes (enqueue, GPU, wake-up), and the copy kernel alone by CTAs."""
-    mover = CudaMover(MoverOptions(path="staging"))
+    mover = CudaMover(MoverOptions(path="staging", staging_slot_bytes=SLOT_BYTES))
     mover.trace = []
     for n in (1, 32):
         for label, fn in (
@@ -241,11 +242,26 @@ async def probe(case: Case, reps: int, profile: bool = False) -> None:
             polls = (mover.stats()["completion_polls"] - polls) / (reps + 1)
             med = {
                 k: statistics.median(t[k] for t in mover.trace)
-                for k in ("enqueue_s", "gpu_s", "observed_s", "finish_s", "total_s")
+                for k in (
+                    "call_s",
+                    "ids_s",
+                    "recorded_s",
+                    "first_copy_s",
+                    "enqueue_s",
+                    "gpu_s",
+                    "observed_s",
+                    "finish_s",
+                    "total_s",
+                )
             }
+            late = med["observed_s"] - med["recorded_s"] - med["gpu_s"]
             gpu_rate = n * case.chunk_bytes / med["gpu_s"] / 1e9
             print(
-                f"probe {case.name} {label}@{n}: enqueue {1e6 * med['enqueue_s']:.0f} us, gpu "
+                f"probe {case.name} {label}@{n}: call {1e6 * med['call_s']:.0f}, recorded "
+                f"{1e6 * med['recorded_s']:.0f}, ids {1e6 * med['ids_s']:.0f}, "
+                f"first copy queued {1e6 * med['first_copy_s']:.0f} "
+                f"us, seen {1e6 * late:.0f} us after the GPU; "
+                f"enqueue {1e6 * med['enqueue_s']:.0f} us, gpu "
                 f"{1e6 * med['gpu_s']:.0f} us ({gpu_rate:.1f} GB/s), "
                 f"seen done {1e6 * med['observed_s']:.0f} us, on loop {1e6 * med['finish_s']:.0f} "
                 f"us, total {1e6 * med['total_s']:.0f} us, "
@@ -421,7 +437,7 @@ async def bench_case(
 ) -> list[dict[str, Any]]:
     rows = []
     for path in PATHS:
-        mover = CudaMover(MoverOptions(path=path))
+        mover = CudaMover(MoverOptions(path=path, staging_slot_bytes=SLOT_BYTES))
         try:
             row = await bench_path(mover, case, reps, counts, mm_iters)
         except Exception as exc:
@@ -485,7 +501,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="tune staging slots and CTAs")
     parser.add_argument("--probe", action="store_true", help="time a call's parts and the kernel")
     parser.add_argument("--profile", action="store_true", help="with --probe: cProfile stores")
+    parser.add_argument("--slot-mib", type=int, help="staging slot size (default: the mover's)")
     args = parser.parse_args()
+    if args.slot_mib:
+        global SLOT_BYTES
+        SLOT_BYTES = args.slot_mib << 20
     if not torch.cuda.is_available():
         sys.exit("bench/transfer.py needs a CUDA device")
     reps = 3 if args.quick else 10

@@ -91,14 +91,30 @@ async def via_timerfd(fd: int) -> float:
     return time.perf_counter() - target
 
 
+def workload() -> float:
+    """A fixed bit of interpreter work (about what enqueueing a call costs); its seconds."""
+    start = time.perf_counter()
+    items = [object() for _ in range(64)]
+    total = 0
+    for _ in range(20):
+        total += sum(id(x) & 1 for x in items)
+    return time.perf_counter() - start
+
+
 async def main(rounds: int, prewake_us: float) -> None:
     results: dict[str, list[float]] = {"thread": [], "thread+prewake": [], "timerfd": []}
+    work: dict[str, list[float]] = {"warm": [], "after thread+prewake wake": []}
     fd = _libc.timerfd_create(time.CLOCK_MONOTONIC, 0)
     for _ in range(rounds):
         results["thread"].append(await via_thread(0.0))
         results["thread+prewake"].append(await via_thread(prewake_us * 1e-6))
+        work["after thread+prewake wake"].append(workload())
+        workload()
+        work["warm"].append(workload())
         if fd >= 0:
             results["timerfd"].append(await via_timerfd(fd))
+    for name, values in work.items():
+        print(f"workload {name:<26} median {1e6 * statistics.median(values):6.0f} us", flush=True)
     for name, values in results.items():
         if values:
             values.sort()

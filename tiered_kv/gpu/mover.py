@@ -53,6 +53,7 @@ _UNROLL = 4  # TKV_UNROLL
 JOB_MAX_BYTES = 1 << 30
 RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `_slot_fills`
 LEAD_SLOTS = 2  # staging enqueues this many slots' worth before yielding to the loop
+EDGE_CTA_FACTOR = 4  # CTAs of the first (gather) or last (scatter) kernel, times staging_ctas
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
 # below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
 DMA_MIN_RUN_BYTES = 64 * 1024
@@ -158,6 +159,12 @@ class _LayoutPlan:
     layout: KVCacheLayout  # keeps the layout (and its tensors) alive while the plan is cached
     groups: tuple[_GroupPlan, ...]
     path: str
+    # Bytes of the largest one-layer slab of a chunk: no staging slot may be smaller.
+    largest_layer: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        chunk = self.layout.layout_desc.chunk_size
+        object.__setattr__(self, "largest_layer", max(g.slab_bytes(1, chunk) for g in self.groups))
 
 
 def copy_width(*values: int) -> int:
@@ -230,6 +237,7 @@ class _CallBuffers:
         self.capacity = 0
         self.host_ids = torch.empty(0, dtype=torch.int32)
         self.device_ids = torch.empty(0, dtype=torch.int32, device=device)
+        self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.begun = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         self.done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
@@ -416,11 +424,13 @@ class CudaMover(KVMover):
             side=side,
             buffers=state.take_buffers(),
             held=[t.obj.ref() for t in transfers],
-            nbytes=sum(_moved_bytes(t, to_host) for t in transfers),
+            nbytes=0,  # counted once the call is queued: the first DMA should not wait
             start=start,
             result=loop.create_future(),
             trace={} if self.trace is not None else None,
         )
+        if call.trace is not None:
+            call.trace["call"] = time.perf_counter()
         caller = torch.cuda.current_stream(state.device)
         try:
             cancelled = await self._enqueue(call, plan, caller, to_host, block_ids, transfers)
@@ -429,6 +439,7 @@ class CudaMover(KVMover):
             torch.cuda.synchronize(state.device)
             self._release(call)
             raise
+        call.nbytes = sum(_moved_bytes(t, to_host) for t in transfers)
         if not to_host:
             caller.wait_event(call.buffers.done)  # the engine's next kernels see the loaded KV
         if call.trace is not None:
@@ -459,6 +470,10 @@ class CudaMover(KVMover):
                     "direction": direction,
                     "bytes": call.nbytes,
                     "enqueue_s": trace["enqueued"] - start,
+                    "call_s": trace["call"] - start,
+                    "ids_s": trace["ids"] - start,
+                    "recorded_s": trace["recorded"] - start,
+                    "first_copy_s": trace.get("first_copy", trace["enqueued"]) - start,
                     "gpu_s": trace["gpu_start"].elapsed_time(trace["gpu_end"]) / 1e3,
                     "observed_s": seen - start,
                     "finish_s": trace["finish"] - start,
@@ -504,7 +519,8 @@ class CudaMover(KVMover):
         if call.trace is not None:
             call.trace["gpu_start"] = begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             begin.record(caller)
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            call.trace["recorded"] = time.perf_counter()
+        ready = buffers.ready
         ready.record(caller)
         # Whatever first touches the paged cache waits for the caller's queued work: the kernels,
         # or the copies on the DMA-only path. (Staging DMAs are ordered through the slot events.)
@@ -519,11 +535,15 @@ class CudaMover(KVMover):
             buffers.done.record(side.dma_stream)
             return False
         device_ids = buffers.upload_ids(block_ids, side.kernel_cu)
+        if call.trace is not None:
+            call.trace["ids"] = time.perf_counter()
         if plan.path == "mapped":
             self._enqueue_mapped(state, plan, side, to_host, device_ids, transfers)
             buffers.done.record(side.kernel_stream)
             return False
-        cancelled = await self._enqueue_staging(state, plan, side, to_host, device_ids, transfers)
+        cancelled = await self._enqueue_staging(
+            state, plan, side, to_host, device_ids, transfers, call.trace
+        )
         # Gathers end with a DMA, scatters with a kernel; each waited for the other.
         buffers.done.record(side.dma_stream if to_host else side.kernel_stream)
         return cancelled
@@ -650,21 +670,27 @@ class CudaMover(KVMover):
         to_host: bool,
         device_ids: int,
         transfers: Sequence[ChunkTransfer],
+        trace: dict[str, Any] | None = None,
     ) -> bool:
         """Returns whether the caller was cancelled at one of the yields (see `_enqueue`)."""
         from cuda.bindings import driver
 
         block_size = plan.layout.block_size
         ctas = self.options.staging_ctas
-        largest_layer = max(
-            g.slab_bytes(1, t.obj.num_tokens) for g in plan.groups for t in transfers
-        )
-        side.ensure_slots(max(self.options.staging_slot_bytes, largest_layer))
+        side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
         dma = side.dma_cu
         lead = LEAD_SLOTS * side.slot_bytes
         queued = 0
         cancelled = False
-        for group, pieces in _slot_fills(plan, transfers, side.slot_bytes, ramp_up=to_host):
+        fills = _slot_fills(plan, transfers, side.slot_bytes, ramp_up=to_host)
+        upcoming = next(fills, None)
+        while upcoming is not None:
+            group, pieces = upcoming
+            upcoming = next(fills, None)
+            # The one kernel nothing overlaps (a gather's first, a scatter's last) gets more
+            # CTAs: a few microseconds of SMs to take that much off the call.
+            edge = not queued if to_host else upcoming is None
+            fill_ctas = ctas * EDGE_CTA_FACTOR if edge else ctas
             slot = side.next_slot
             side.next_slot = (slot + 1) % side.slot_count
             base = side.slots[slot].data_ptr()
@@ -689,7 +715,9 @@ class CudaMover(KVMover):
             if to_host:
                 if side.used[slot]:
                     side.kernel_stream.wait_event(side.freed[slot])
-                self._launch(state, group, side.kernel_cu, True, block_size, device_ids, jobs, ctas)
+                self._launch(
+                    state, group, side.kernel_cu, True, block_size, device_ids, jobs, fill_ctas
+                )
                 side.filled[slot].record(side.kernel_stream)
                 side.dma_stream.wait_event(side.filled[slot])
                 for host, dev, nbytes in copies:
@@ -703,10 +731,12 @@ class CudaMover(KVMover):
                 side.filled[slot].record(side.dma_stream)
                 side.kernel_stream.wait_event(side.filled[slot])
                 self._launch(
-                    state, group, side.kernel_cu, False, block_size, device_ids, jobs, ctas
+                    state, group, side.kernel_cu, False, block_size, device_ids, jobs, fill_ctas
                 )
                 side.freed[slot].record(side.kernel_stream)
             side.used[slot] = True
+            if trace is not None and not queued:
+                trace["first_copy"] = time.perf_counter()
             queued += offset
             if queued >= lead and not cancelled:
                 # A lead is queued: let a concurrent call of the other direction enqueue too.
@@ -787,9 +817,11 @@ def _slot_fills(
     ramps down, each fill of the last slot's worth taking half of what is left (down to 1/8 of a
     slot), so the last kernel is short."""
     fills = 0
-    remaining = sum(
-        g.slab_bytes(g.num_layers, t.obj.num_tokens) for g in plan.groups for t in transfers
-    )
+    remaining = 0
+    if not ramp_up:
+        remaining = sum(
+            g.slab_bytes(g.num_layers, t.obj.num_tokens) for g in plan.groups for t in transfers
+        )
     cap = 0
 
     def capacity() -> int:
