@@ -345,6 +345,44 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
         assert mover["bytes_gathered"] == engine.layout_desc().nbytes(32) * 2
 
 
+async def test_caller_cancelled_while_enqueueing_still_gets_the_whole_call_run() -> None:
+    """Small slots make a staging call yield between fills; cancelling the caller at such a
+    yield raises CancelledError in it, yet every chunk is still copied (the call is enqueued
+    whole) and the objects stay held until the GPU is done."""
+    shape = {"num_blocks": 64, "num_heads": 8, "head_size": 128}
+    caches = make_caches("vllm_nhd", torch.bfloat16, seed=9, device="cuda", **shape)
+    layout = _layout(caches, 128)
+    arena = HostArena(64 << 20, pin=True)
+    mover = CudaMover(MoverOptions(path="staging", staging_slot_bytes=256 << 10))
+    oracle = TorchMover()
+    try:
+        # 8 chunks of 2 layers x 512 KiB: the slot grows to one layer, 16 fills (one launch
+        # each), yielding between fills after the first two.
+        objs = _objects(arena, layout, 1024, 128)
+        task = asyncio.ensure_future(
+            mover.gather(layout, list(range(64)), _transfers(objs, 0, 128))
+        )
+        for _ in range(3):  # into the enqueue and past its first yields
+            await asyncio.sleep(0)
+        assert 0 < mover.stats()["kernel_launches"] < 16  # cancelled mid-enqueue
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert mover.stats()["kernel_launches"] == 16  # ... and still enqueued whole
+        assert all(obj.refcount == 2 for obj in objs)
+        await mover.aclose()
+        assert all(obj.refcount == 1 for obj in objs)
+        check = _objects(arena, layout, 1024, 128)
+        await oracle.gather(layout, list(range(64)), _transfers(check, 0, 128))
+        for x, y in zip(objs, check, strict=True):
+            assert torch.equal(x.raw(), y.raw())
+        for obj in (*objs, *check):
+            obj.unref()
+    finally:
+        await oracle.aclose()
+        assert arena.close() == 0
+
+
 @pytest.mark.parametrize("path", PATHS)
 async def test_cancelled_caller_leaves_objects_held_until_the_gpu_is_done(path: str) -> None:
     shape = {"num_blocks": 64, "num_heads": 8, "head_size": 128}
