@@ -11,12 +11,13 @@ import tomllib
 import torch
 
 from tests.kvfactory import FORMATS, make_caches
-from tiered_kv.errors import KernelCompileError
+from tiered_kv.errors import KernelCompileError, TieredKVError
 from tiered_kv.gpu import kernels
 from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.mover import (
     MAX_JOBS,
     MoverOptions,
+    _hold,
     _LayoutPlan,
     _runs,
     _slot_fills,
@@ -285,3 +286,23 @@ def test_staging_fills_cover_every_layer_once_within_a_slot(slot_kib: int, ramp_
         assert max(ends) <= slot // 2, sizes
         assert (ends[0] if ramp_up else ends[-1]) <= slot // 8, sizes
         assert max(sizes) > slot // 2  # full-size fills in between
+
+
+def test_a_freed_object_in_a_call_leaves_no_reference_behind() -> None:
+    """The mover holds every object of a call; if one is already freed, the call fails before
+    touching anything and the references it had taken are given back."""
+    layout, _ = _layout("vllm_nhd")
+    arena = HostArena(1 << 20, pin=False)
+    objs = [arena.allocate_obj(layout.layout_desc, 32) for _ in range(3)]
+    live = [o for o in objs if o is not None]
+    assert len(live) == 3
+    transfers = [ChunkTransfer(o, 32 * i) for i, o in enumerate(live)]
+    live[1].unref()  # freed: its transfer is stale
+    with pytest.raises(TieredKVError, match="freed"):
+        _hold(transfers)
+    assert live[0].refcount == 1 and live[2].refcount == 1
+    held = _hold([transfers[0], transfers[2]])
+    assert [o.refcount for o in held] == [2, 2]
+    for obj in (*held, live[0], live[2]):
+        obj.unref()
+    assert arena.close() == 0

@@ -417,13 +417,14 @@ class CudaMover(KVMover):
         to_host = direction == "gather"
         side = state.store if to_host else state.load
         loop = asyncio.get_running_loop()
+        held = _hold(transfers)
         call = _Call(
             direction=direction,
             path=plan.path,
             state=state,
             side=side,
             buffers=state.take_buffers(),
-            held=[t.obj.ref() for t in transfers],
+            held=held,
             nbytes=0,  # counted once the call is queued: the first DMA should not wait
             start=start,
             result=loop.create_future(),
@@ -471,7 +472,7 @@ class CudaMover(KVMover):
                     "bytes": call.nbytes,
                     "enqueue_s": trace["enqueued"] - start,
                     "call_s": trace["call"] - start,
-                    "ids_s": trace["ids"] - start,
+                    "ids_s": trace.get("ids", trace["recorded"]) - start,
                     "recorded_s": trace["recorded"] - start,
                     "first_copy_s": trace.get("first_copy", trace["enqueued"]) - start,
                     "gpu_s": trace["gpu_start"].elapsed_time(trace["gpu_end"]) / 1e3,
@@ -789,6 +790,19 @@ class CudaMover(KVMover):
             driver.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream),
             "cuMemcpyBatchAsync",
         )
+
+
+def _hold(transfers: Sequence[ChunkTransfer]) -> list[MemoryObj]:
+    """A reference to every transfer's object; none if one of them is already freed."""
+    held: list[MemoryObj] = []
+    try:
+        for transfer in transfers:
+            held.append(transfer.obj.ref())
+    except BaseException:
+        for obj in held:
+            obj.unref()
+        raise
+    return held
 
 
 def _moved_bytes(transfer: ChunkTransfer, to_host: bool) -> int:
