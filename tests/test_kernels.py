@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 from tests.kvfactory import FORMATS, make_caches
