@@ -16,6 +16,7 @@ import torch
 
 from tests.kvfactory import FORMATS, KVCaches, make_caches, poison_blocks
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout, build_layout
@@ -328,6 +329,14 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
     config = EngineConfig(chunk_size=32, l1_size="8MiB")
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m")
+        # Registration prepared the CUDA mover: kernels loaded, slots and buffers allocated.
+        device_mover = engine._mover
+        assert isinstance(device_mover, DeviceMover)
+        cuda = device_mover.cuda
+        assert isinstance(cuda, CudaMover)
+        state = next(iter(cuda._devices.values()))
+        assert state.store.slots and state.load.slots
+        assert len(state.buffers) >= 2 and all(b.capacity >= 8 for b in state.buffers)
         tokens = list(range(64))
         assert await engine.store(tokens, [0, 1, 2, 3]) == 64
         poison_blocks(caches, [4, 5, 6, 7])

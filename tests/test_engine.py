@@ -17,6 +17,8 @@ from tiered_kv import (
     SyncTieredKVEngine,
     TieredKVEngine,
 )
+from tiered_kv.gpu.reference import TorchMover
+from tiered_kv.layout import KVCacheLayout
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
 TOKENS = list(range(1000, 1100))  # 100 tokens: 3 full chunks of 32 and a partial of 4
@@ -259,3 +261,31 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         engine._arena.free(held2)
         await engine.evict_l1()
         assert engine.stats()["arena"]["used"] == 0
+
+
+class _UnpreparableMover(TorchMover):
+    """Fault injection: a mover that cannot get ready for the caches it is given."""
+
+    def prepare(self, layout: KVCacheLayout) -> None:
+        raise LayoutError(f"cannot prepare {layout.num_layers} layers")
+
+
+async def test_a_mover_that_cannot_prepare_fails_the_registration() -> None:
+    """Kernel compilation and buffer set-up happen at registration (`KVMover.prepare`), so a
+    failure shows there, not at the first store, and leaves no half registration behind."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    async with TieredKVEngine(_config(), mover=_UnpreparableMover()) as engine:
+        with pytest.raises(LayoutError, match="cannot prepare 2 layers"):
+            engine.register_kv_caches(caches.entries, model_name="m")
+        with pytest.raises(EngineStateError, match="'m' is not registered"):
+            engine.layout_desc("m")
+
+
+async def test_caches_registered_before_open_are_prepared_at_open() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    engine = TieredKVEngine(_config(), mover=_UnpreparableMover())
+    engine.register_kv_caches(caches.entries, model_name="m")  # no mover yet: nothing to prepare
+    with pytest.raises(LayoutError, match="cannot prepare"):
+        await engine.open()
+    with pytest.raises(EngineStateError):  # closed, its host memory released
+        await engine.open()

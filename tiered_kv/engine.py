@@ -172,6 +172,12 @@ class TieredKVEngine:
             l1_budget_bytes=int(self._arena.capacity * self.config.prefetch_l1_fraction),
         )
         self._mover = self._mover_override or DeviceMover()
+        try:
+            for registration in self._registrations.values():
+                self._mover.prepare(registration.layout)
+        except BaseException:
+            await self.aclose()
+            raise
         return self
 
     async def __aenter__(self) -> TieredKVEngine:
@@ -253,6 +259,8 @@ class TieredKVEngine:
             )
         except (TypeError, ValueError) as exc:
             raise LayoutError(str(exc)) from None
+        if self._mover is not None:
+            self._mover.prepare(layout)
         self._registrations[model_name] = Registration(
             model_name, world_size, worker_id, layout, scope
         )

@@ -49,6 +49,11 @@ class KVMover(abc.ABC):
     ) -> None:
         """Host objects → paged caches, skipping each transfer's first ``skip_tokens``."""
 
+    def prepare(self, layout: KVCacheLayout) -> None:  # noqa: B027 - optional hook
+        """Called when caches are registered: do here what would otherwise stall the first
+        transfer (compiling kernels, creating streams, allocating buffers). Errors surface at
+        registration."""
+
     def stats(self) -> Mapping[str, int | float]:
         """Counters, flat name → number (bytes moved, seconds spent, per path where it has
         several)."""

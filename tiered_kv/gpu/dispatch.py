@@ -41,6 +41,9 @@ class DeviceMover(KVMover):
             self.cuda = CudaMover(self._cuda_options)
         return self.cuda
 
+    def prepare(self, layout: KVCacheLayout) -> None:
+        self.mover_for(layout).prepare(layout)
+
     async def gather(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:

@@ -241,6 +241,13 @@ class _CallBuffers:
         self.begun = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         self.done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
+    def reserve(self, count: int) -> None:
+        """Room for ``count`` block ids (only while the buffers are not in a call's use)."""
+        if count > self.capacity:
+            self.capacity = max(count, 2 * self.capacity, 1024)
+            self.host_ids = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
+            self.device_ids = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
+
     def upload_ids(self, block_ids: Sequence[int], stream: Any) -> int:
         """Queue the block table's copy to the device on ``stream``; returns its device address.
         The pinned source stays untouched until the call completes (the buffers are the call's)."""
@@ -250,10 +257,7 @@ class _CallBuffers:
             ids = array.array("i", block_ids)
         except OverflowError as exc:
             raise LayoutError(f"block ids must fit in int32: {exc}") from None
-        if len(ids) > self.capacity:
-            self.capacity = max(len(ids), 2 * self.capacity, 1024)
-            self.host_ids = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
-            self.device_ids = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
+        self.reserve(len(ids))
         nbytes = len(ids) * ids.itemsize
         ctypes.memmove(self.host_ids.data_ptr(), ids.buffer_info()[0], nbytes)
         check_driver(
@@ -332,6 +336,19 @@ class CudaMover(KVMover):
     # -- public --------------------------------------------------------------------------------
     def path_for(self, layout: KVCacheLayout) -> str:
         return self._plan(self._state(layout.device), layout).path
+
+    def prepare(self, layout: KVCacheLayout) -> None:
+        """Load (or compile) the kernels, create the streams, plan the layout and allocate the
+        staging slots and two calls' block-table buffers, so the first transfer pays none of it."""
+        state = self._state(layout.device)
+        plan = self._plan(state, layout)
+        if plan.path == "staging":
+            for side in (state.store, state.load):
+                side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
+        while len(state.buffers) < 2:
+            state.buffers.append(_CallBuffers(state.device))
+        for buffers in state.buffers:
+            buffers.reserve(layout.num_blocks)
 
     async def gather(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
