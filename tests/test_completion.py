@@ -65,7 +65,7 @@ async def test_waiter_polls_near_the_predicted_end_and_delivers_on_the_loop_thre
         event = TimedEvent(now + 0.050)
         done: asyncio.Future[tuple[float, int]] = loop.create_future()
         waiter.submit(
-            event, now, 0.040, loop, lambda seen: done.set_result((seen, threading.get_ident()))
+            event, now, 0.040, loop, lambda seen, _: done.set_result((seen, threading.get_ident()))
         )
         seen, thread = await asyncio.wait_for(done, 5)
         assert thread == threading.get_ident()  # the callback ran on the loop's thread
@@ -94,8 +94,8 @@ async def test_waiter_serves_several_calls_each_on_its_own_schedule() -> None:
             if len(order) == 2:
                 finished.set()
 
-        waiter.submit(slow, now, 0.060, loop, lambda _: on_done("slow"))
-        waiter.submit(fast, now, 0.010, loop, lambda _: on_done("fast"))
+        waiter.submit(slow, now, 0.060, loop, lambda *_: on_done("slow"))
+        waiter.submit(fast, now, 0.010, loop, lambda *_: on_done("fast"))
         await asyncio.wait_for(finished.wait(), 5)
         assert order == ["fast", "slow"]
         # The fast call's polling did not poll the slow one.
@@ -112,7 +112,7 @@ async def test_waiter_backs_off_on_calls_far_behind_their_prediction() -> None:
         now = time.perf_counter()
         event = TimedEvent(now + 0.300)
         done: asyncio.Future[float] = loop.create_future()
-        waiter.submit(event, now, 0.001, loop, done.set_result)
+        waiter.submit(event, now, 0.001, loop, lambda seen, _: done.set_result(seen))
         await asyncio.wait_for(done, 5)
         # At POLL_S (20 µs) throughout it would take ~15,000 polls; late ones are >= 0.5 ms.
         assert len(event.queries) < 0.300 / POLL_MAX_S + 200
@@ -132,7 +132,7 @@ def test_closed_loop_gets_its_callback_run_by_the_waiter() -> None:
     ran = threading.Event()
     threads: list[int] = []
 
-    def callback(seen: float) -> None:
+    def callback(seen: float, error: BaseException | None) -> None:
         threads.append(threading.get_ident())
         ran.set()
 
@@ -148,12 +148,35 @@ def test_close_waits_for_pending_calls_and_refuses_new_ones() -> None:
     try:
         results: list[float] = []
         event = TimedEvent(time.perf_counter() + 0.02)
-        waiter.submit(event, 0.0, 0.02, loop, results.append)
+        waiter.submit(event, 0.0, 0.02, loop, lambda seen, _: results.append(seen))
         waiter.close()  # returns once the pending event completed and was handed to the loop
         assert waiter.pending == 0
         loop.run_until_complete(asyncio.sleep(0))
         assert len(results) == 1 and results[0] >= event.at
         with pytest.raises(RuntimeError, match="closed"):
-            waiter.submit(event, 0.0, 0.0, loop, results.append)
+            waiter.submit(event, 0.0, 0.0, loop, lambda seen, _: results.append(seen))
     finally:
         loop.close()
+
+
+class FaultyEvent:
+    """Fault injection: polling raises, as a CUDA event query does after a GPU fault."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_a_failing_poll_reaches_its_callback_and_the_waiter_keeps_serving() -> None:
+    loop = asyncio.get_running_loop()
+    waiter = CompletionWaiter()
+    try:
+        now = time.perf_counter()
+        failed: asyncio.Future[BaseException | None] = loop.create_future()
+        fine: asyncio.Future[BaseException | None] = loop.create_future()
+        waiter.submit(FaultyEvent(), now, 0.0, loop, lambda _, e: failed.set_result(e))
+        waiter.submit(TimedEvent(now + 0.01), now, 0.01, loop, lambda _, e: fine.set_result(e))
+        error = await asyncio.wait_for(failed, 5)
+        assert isinstance(error, RuntimeError) and "illegal memory access" in str(error)
+        assert await asyncio.wait_for(fine, 5) is None
+    finally:
+        waiter.close()

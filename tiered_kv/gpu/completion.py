@@ -84,7 +84,8 @@ class _Pending:
     late_at: float
     interval: float
     loop: asyncio.AbstractEventLoop
-    callback: Callable[[float], None]
+    callback: Callable[[float, BaseException | None], None]
+    error: BaseException | None = None
 
     @property
     def next_due(self) -> float:
@@ -111,11 +112,12 @@ class CompletionWaiter:
         start: float,
         predicted_s: float,
         loop: asyncio.AbstractEventLoop,
-        callback: Callable[[float], None],
+        callback: Callable[[float, BaseException | None], None],
     ) -> None:
-        """Run ``callback(seen)`` on ``loop`` once ``event.query()`` is true; ``seen`` is the
-        ``time.perf_counter()`` at which the thread saw it. The call is predicted to run from
-        ``start`` for ``predicted_s`` (see `TransferClock`)."""
+        """Run ``callback(seen, None)`` on ``loop`` once ``event.query()`` is true; ``seen`` is
+        the ``time.perf_counter()`` at which the thread saw it. If the query raises (a CUDA
+        error), ``callback(seen, error)`` instead. The call is predicted to run from ``start``
+        for ``predicted_s`` (see `TransferClock`)."""
         end = start + predicted_s
         poll_at = start + EARLY_FRACTION * predicted_s
         late_at = poll_at + LATE_FRACTION * predicted_s + LATE_GRACE_S
@@ -168,7 +170,12 @@ class CompletionWaiter:
                 if p.next_poll > now:
                     continue
                 self.polls += 1
-                if p.event.query():
+                try:
+                    done = p.event.query()
+                except Exception as exc:  # a GPU fault: the call will never complete
+                    p.error = exc
+                    done = True
+                if done:
                     finished.append(p)
                 elif now < p.late_at:
                     p.next_poll = now + p.interval
@@ -196,11 +203,11 @@ def _poke(loop: asyncio.AbstractEventLoop) -> None:
 
 def _deliver(pending: _Pending, seen: float) -> None:
     try:
-        pending.loop.call_soon_threadsafe(pending.callback, seen)
+        pending.loop.call_soon_threadsafe(pending.callback, seen, pending.error)
     except RuntimeError:
         # The loop is closed: nobody awaits the result any more, but the callback still has
         # references to release. Nothing else runs on that loop, so running it here is safe.
-        pending.callback(seen)
+        pending.callback(seen, pending.error)
 
 
 def _precise_timers() -> None:

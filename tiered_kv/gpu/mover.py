@@ -472,7 +472,7 @@ class CudaMover(KVMover):
             predicted_start,
             predicted,
             loop,
-            lambda seen: self._finish(call, seen),
+            lambda seen, error: self._finish(call, seen, error),
         )
         if cancelled:
             raise asyncio.CancelledError
@@ -499,16 +499,24 @@ class CudaMover(KVMover):
                 }
             )
 
-    def _finish(self, call: _Call, seen: float) -> None:
-        """On the call's loop, once the waiter saw its last event: learn the rate, release."""
+    def _finish(self, call: _Call, seen: float, error: BaseException | None) -> None:
+        """On the call's loop, once the waiter saw its last event (or a CUDA error polling it):
+        learn the rate, release, hand the caller its result."""
         buffers = call.buffers
         if call.trace is not None:
             call.trace["finish"] = time.perf_counter()
-        call.side.clock.observe(call.nbytes, buffers.begun.elapsed_time(buffers.done) / 1e3)
+        if error is None:
+            call.side.clock.observe(call.nbytes, buffers.begun.elapsed_time(buffers.done) / 1e3)
+        # After a fault the context is unusable: nothing on the GPU touches the objects again.
         self._release(call)
         self._inflight.discard(call)
         if not call.result.done():  # the caller may have been cancelled
-            call.result.set_result(seen)
+            if error is None:
+                call.result.set_result(seen)
+            else:
+                call.result.set_exception(
+                    TieredKVError(f"CudaMover: {call.direction} failed on the GPU: {error}")
+                )
         if not self._inflight and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
 
