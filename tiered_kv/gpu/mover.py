@@ -290,13 +290,11 @@ class _Call:
     """One gather or scatter from enqueue to release."""
 
     direction: str
-    path: str
     state: _DeviceState
     side: _Direction
     buffers: _CallBuffers
     held: list[MemoryObj]
     nbytes: int
-    start: float
     result: asyncio.Future[float]
     trace: dict[str, Any] | None = None
 
@@ -437,13 +435,11 @@ class CudaMover(KVMover):
         held = _hold(transfers)
         call = _Call(
             direction=direction,
-            path=plan.path,
             state=state,
             side=side,
             buffers=state.take_buffers(),
             held=held,
             nbytes=0,  # counted once the call is queued: the first DMA should not wait
-            start=start,
             result=loop.create_future(),
             trace={} if self.trace is not None else None,
         )

@@ -371,19 +371,18 @@ class RemoteClient:
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the server holds, in one round trip."""
-        if not keys:
-            return []
-        _, answer, _ = await self._request(Op.EXISTS, encode_key_list(keys, self.options.limits))
-        if len(answer) != len(keys):
-            raise ProtocolError(f"EXISTS of {len(keys)} keys answered {len(answer)} flags")
-        return [bool(flag) for flag in answer]
+        return await self._key_flags(Op.EXISTS, keys)
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._key_flags(Op.DELETE, keys)
+
+    async def _key_flags(self, op: Op, keys: Sequence[bytes]) -> list[bool]:
+        """One batched request over ``keys``, answered with one flag byte per key."""
         if not keys:
             return []
-        _, answer, _ = await self._request(Op.DELETE, encode_key_list(keys, self.options.limits))
+        _, answer, _ = await self._request(op, encode_key_list(keys, self.options.limits))
         if len(answer) != len(keys):
-            raise ProtocolError(f"DELETE of {len(keys)} keys answered {len(answer)} flags")
+            raise ProtocolError(f"{op.name} of {len(keys)} keys answered {len(answer)} flags")
         return [bool(flag) for flag in answer]
 
     async def put(self, key: bytes, frame: Sequence[BytesLike]) -> None:
