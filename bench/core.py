@@ -156,6 +156,9 @@ def time_sync(fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
     return samples
 
 
+KV_HINTS = {"block_size": 16, "kv_layout": "NHD"}
+
+
 def kv_caches(num_layers: int, num_blocks: int, num_heads: int, head_size: int) -> list[Any]:
     """vLLM flash-attn NHD caches ``[2, NB, 16, NH, HS]`` bf16; never touched (torch.empty)."""
     shape = (2, num_blocks, 16, num_heads, head_size)
@@ -228,7 +231,9 @@ async def bench_lookup(params: Params, rows: list[Row], results: dict[str, Any])
         "int64 tensor": tokens.to(torch.int64),
     }
     async with TieredKVEngine(config, mover=NullMover()) as engine:
-        engine.register_kv_caches(kv_caches(32, 16, 1, 64), model_name="bench-lookup")
+        engine.register_kv_caches(
+            kv_caches(32, 16, 1, 64), model_name="bench-lookup", layout_hints=KV_HINTS
+        )
         stored = await engine.store(inputs["list"], block_ids_for(LOOKUP_TOKENS, 16))
         if stored != LOOKUP_TOKENS:
             raise RuntimeError(f"lookup setup: stored {stored} of {LOOKUP_TOKENS} tokens")
@@ -625,7 +630,9 @@ async def bench_overhead(
     prompt_count = params.overhead_warmup + params.overhead_reps + PROFILE_CALLS + 1
     results["overhead"]["profiles"] = {}
     async with TieredKVEngine(config, mover=NullMover()) as engine:
-        desc = engine.register_kv_caches(kv_caches(32, num_blocks, 8, 128), model_name="bench")
+        desc = engine.register_kv_caches(
+            kv_caches(32, num_blocks, 8, 128), model_name="bench", layout_hints=KV_HINTS
+        )
         log(f"  chunk bytes {desc.nbytes(CHUNK_SIZE) / MiB:.0f} MiB (lazy, untouched)")
         for kind, base in (("list", 1_000_000), ("int64 tensor", 50_000_000)):
             tensors = [

@@ -127,7 +127,9 @@ def raw_ceiling(size: int, count: int) -> tuple[float, list[float]]:
 # -- chunk objects ------------------------------------------------------------------------------
 def chunk_layout() -> MemoryLayoutDesc:
     caches = [torch.empty(2, 16, 16, 8, 128, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    return build_layout(caches, chunk_size=CHUNK_TOKENS).layout_desc
+    return build_layout(
+        caches, chunk_size=CHUNK_TOKENS, layout_hints={"block_size": 16, "kv_layout": "NHD"}
+    ).layout_desc
 
 
 def filled_obj(arena: HostArena, layout: MemoryLayoutDesc, seed: int) -> MemoryObj:

@@ -94,7 +94,7 @@ def ceilings(nbytes: int, reps: int) -> dict[str, float]:
 
 
 # -- caches ---------------------------------------------------------------------------------------
-def make_case(name: str, num_blocks: int) -> tuple[list[Any], dict[str, str] | None]:
+def make_case(name: str, num_blocks: int) -> tuple[list[Any], dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -108,15 +108,17 @@ def make_case(name: str, num_blocks: int) -> tuple[list[Any], dict[str, str] | N
         )
         return raw.view(dtype)
 
+    hints: dict[str, Any] = {"block_size": BLOCK}
     if name == "llama_nhd":
-        return [rand((2, num_blocks, BLOCK, 8, 128), torch.bfloat16) for _ in range(LAYERS)], None
+        entries = [rand((2, num_blocks, BLOCK, 8, 128), torch.bfloat16) for _ in range(LAYERS)]
+        return entries, {**hints, "kv_layout": "NHD"}
     if name == "llama_hnd":
         physical = [rand((2, num_blocks, 8, BLOCK, 128), torch.bfloat16) for _ in range(LAYERS)]
-        return [p.permute(0, 1, 3, 2, 4) for p in physical], None
+        return [p.permute(0, 1, 3, 2, 4) for p in physical], {**hints, "kv_layout": "HND"}
     if name == "mla":
-        return [rand((num_blocks, BLOCK, 576), torch.bfloat16) for _ in range(LAYERS)], None
+        return [rand((num_blocks, BLOCK, 576), torch.bfloat16) for _ in range(LAYERS)], hints
     if name == "int8_132":
-        return [rand((num_blocks, BLOCK, 132), torch.int8) for _ in range(LAYERS)], None
+        return [rand((num_blocks, BLOCK, 132), torch.int8) for _ in range(LAYERS)], hints
     raise ValueError(name)
 
 

@@ -164,7 +164,11 @@ async def run_scenario(
         retrieve_seconds = 0.0
         started = time.perf_counter()
         async with TieredKVEngine(config, lower_tiers=tiers) as engine:
-            engine.register_kv_caches(caches, model_name="workload")
+            engine.register_kv_caches(
+                caches,
+                model_name="workload",
+                layout_hints={"block_size": BLOCK_SIZE, "kv_layout": "NHD"},
+            )
 
             async def serve(prompt: list[int], slot: int) -> None:
                 nonlocal restored, prompt_tokens, late, retrieve_seconds

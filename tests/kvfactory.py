@@ -42,7 +42,7 @@ class KVCaches:
     kv_count: int
     entries: list[Any]  # what register_kv_caches gets
     physical: list[Any]  # the tensors that own the bytes, addressed by `row`
-    hints: dict[str, Any] | None
+    hints: dict[str, Any]
     row: Callable[[Any, int, int, int], torch.Tensor]
 
     def token_row(self, layer: int, kv: int, block: int, offset: int) -> torch.Tensor:
@@ -116,8 +116,20 @@ def make_caches(
             physical.append(t)
         else:
             raise ValueError(fmt)
-    hints = {"kv_layout": "HND"} if fmt in ("vllm_hnd_hint", "flashinfer_hnd") else None
-    return KVCaches(fmt, 1 if fmt == "mla" else 2, entries, physical, hints, _ROWS[fmt](hs))
+    return KVCaches(
+        fmt, 1 if fmt == "mla" else 2, entries, physical, hints_for(fmt, bs), _ROWS[fmt](hs)
+    )
+
+
+HND_FORMATS = ("vllm_hnd_view", "vllm_hnd_hint", "flashinfer_hnd", "fused")
+
+
+def hints_for(fmt: str, block_size: int) -> dict[str, Any]:
+    """What a caller who knows its engine passes: the block size, and the memory order of
+    (position, head) where the format has heads."""
+    if fmt == "mla":
+        return {"block_size": block_size}
+    return {"block_size": block_size, "kv_layout": "HND" if fmt in HND_FORMATS else "NHD"}
 
 
 def _rows() -> dict[str, Callable[[int], Callable[[Any, int, int, int], torch.Tensor]]]:

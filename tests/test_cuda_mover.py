@@ -167,7 +167,9 @@ async def test_heterogeneous_groups_incl_132_byte_int8_rows(
         ]
 
     ours, theirs = caches(), caches()
-    lo, lt = build_layout(ours, chunk_size=CHUNK), build_layout(theirs, chunk_size=CHUNK)
+    hints = {"block_size": BLOCK, "kv_layout": "NHD"}
+    lo = build_layout(ours, chunk_size=CHUNK, layout_hints=hints)
+    lt = build_layout(theirs, chunk_size=CHUNK, layout_hints=hints)
     assert len(lo.groups) == 3
     arena = HostArena(16 << 20, pin=True)
     try:
@@ -328,7 +330,7 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
     caches = make_caches("vllm_nhd", torch.bfloat16, seed=4, device="cuda", num_blocks=8)
     config = EngineConfig(chunk_size=32, l1_size="8MiB")
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         # Registration prepared the CUDA mover: kernels loaded, slots and buffers allocated.
         device_mover = engine._mover
         assert isinstance(device_mover, DeviceMover)

@@ -34,7 +34,7 @@ def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     src, dst = list(range(7)), list(range(8, 15))
     with SyncTieredKVEngine(_config()) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         loop_threads = [t.name for t in threading.enumerate() if t.name == "tiered-kv-loop"]
         assert loop_threads == ["tiered-kv-loop"]
         assert engine.store(TOKENS, src) == 100
@@ -57,7 +57,7 @@ def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
 async def test_use_before_open_and_after_close_raise() -> None:
     engine = TieredKVEngine(_config())
     caches = make_caches("mla", torch.bfloat16)
-    engine.register_kv_caches(caches.entries, model_name="m")
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
     with pytest.raises(EngineStateError, match="not open"):
         await engine.store(TOKENS[:10], [0])
     await engine.open()
@@ -73,7 +73,7 @@ async def test_argument_errors_name_the_problem() -> None:
     async with TieredKVEngine(_config()) as engine:
         with pytest.raises(EngineStateError, match="register_kv_caches"):
             await engine.lookup(TOKENS)
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         with pytest.raises(LayoutError, match="need 7 blocks"):
             await engine.store(TOKENS, [0, 1])
         with pytest.raises(LayoutError, match="out of range"):
@@ -94,15 +94,15 @@ async def test_two_models_and_two_namespaces_never_share_chunks(tmp_path: Path) 
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     l2 = str(tmp_path / "l2")
     async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-a")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
-        engine.register_kv_caches(caches.entries, model_name="m2")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        engine.register_kv_caches(caches.entries, model_name="m2", layout_hints=caches.hints)
         assert await engine.store(TOKENS, list(range(7)), model_name="m") == 100
         assert await engine.lookup(TOKENS, model_name="m2") == 0
     async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-b")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(TOKENS) == 0
     async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-a")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(TOKENS) == 100
 
 
@@ -110,7 +110,7 @@ async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
     # One 32-token chunk of 2 layers x 2 x 8 x 128 bf16 is 256 KiB; L1 holds 128 KiB.
     async with TieredKVEngine(_config(l1_size="128KiB")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.store(TOKENS, list(range(7))) == 0
         stats = engine.stats()
         assert stats["engine"]["store_skipped_no_space"] == 4
@@ -122,12 +122,12 @@ async def test_clean_close_flushes_pending_l2_writes(tmp_path: Path) -> None:
     tokens = list(range(600))
     config = _config(l2_path=str(tmp_path / "l2"))
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.store(tokens, list(range(38))) == 600
         # No flush: closing must wait for the 19 queued writes.
     assert engine.dropped_on_close == 0
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert engine.stats()["l2"]["entries"] == 19
         assert await engine.lookup(tokens) == 600
 
@@ -137,7 +137,7 @@ async def test_close_timeout_drops_and_reports_pending_writes_without_leaking() 
     slow = FaultyTier(MemoryTier(), delay_s=5.0)
     engine = TieredKVEngine(_config(close_timeout_s=0.05), lower_tiers=[slow])
     async with engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.store(TOKENS, list(range(7))) == 100
     # Two writers were mid-put (cancelled), two chunks were still queued: all four dropped.
     assert engine.dropped_on_close == 4
@@ -148,7 +148,7 @@ async def test_cancelled_retrieve_releases_every_reference() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     tier = FaultyTier(MemoryTier(), delay_s=0.2)
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await engine.store(TOKENS, list(range(7)))
         tier.delay_s = 0.0
         await engine.flush()
@@ -168,7 +168,7 @@ async def test_cancelled_retrieve_releases_every_reference() -> None:
 async def test_cancelled_store_releases_its_staging_objects() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     async with TieredKVEngine(_config()) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         task = asyncio.create_task(engine.store(TOKENS, list(range(7))))
         await asyncio.sleep(0)  # the store is now inside the mover's copy
         task.cancel()
@@ -186,7 +186,7 @@ async def test_lower_tier_failures_are_misses_not_errors() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     tier = FaultyTier(MemoryTier(), seed=3, get_failure_rate=1.0)
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await engine.store(TOKENS, list(range(7)))
         await engine.flush()
         await engine.evict_l1()
@@ -203,7 +203,7 @@ async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None
     tier = MemoryTier()
     src, dst = list(range(7)), list(range(8, 15))
     async with TieredKVEngine(_config(l1_size="640KiB"), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         stored = 0
         for end in (32, 64, 96, 100):  # one chunk at a time, so L1 can always stage it
             stored += await engine.store(TOKENS[:end], src)
@@ -231,7 +231,7 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
     tier = MemoryTier()
     src, dst = list(range(7)), list(range(8, 15))
     async with TieredKVEngine(_config(l1_size="640KiB"), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         for end in (32, 64, 96, 100):
             await engine.store(TOKENS[:end], src)
             await engine.flush()
@@ -276,7 +276,7 @@ async def test_a_mover_that_cannot_prepare_fails_the_registration() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     async with TieredKVEngine(_config(), mover=_UnpreparableMover()) as engine:
         with pytest.raises(LayoutError, match="cannot prepare 2 layers"):
-            engine.register_kv_caches(caches.entries, model_name="m")
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         with pytest.raises(EngineStateError, match="'m' is not registered"):
             engine.layout_desc("m")
 
@@ -284,7 +284,9 @@ async def test_a_mover_that_cannot_prepare_fails_the_registration() -> None:
 async def test_caches_registered_before_open_are_prepared_at_open() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     engine = TieredKVEngine(_config(), mover=_UnpreparableMover())
-    engine.register_kv_caches(caches.entries, model_name="m")  # no mover yet: nothing to prepare
+    engine.register_kv_caches(
+        caches.entries, model_name="m", layout_hints=caches.hints
+    )  # no mover yet: nothing to prepare
     with pytest.raises(LayoutError, match="cannot prepare"):
         await engine.open()
     with pytest.raises(EngineStateError):  # closed, its host memory released

@@ -31,7 +31,8 @@ def _config(**kw: object) -> EngineConfig:
 
 
 async def _exercised_engine(engine: TieredKVEngine, tier: FaultyTier) -> None:
-    engine.register_kv_caches(make_caches("vllm_nhd", torch.bfloat16).entries, model_name="m")
+    caches = make_caches("vllm_nhd", torch.bfloat16)
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
     await engine.store(TOKENS, SRC)
     await engine.flush()
     await engine.evict_l1()

@@ -30,7 +30,7 @@ def caches() -> KVCaches:
 
 
 async def _populate(engine: TieredKVEngine, caches: KVCaches, tier: FaultyTier) -> None:
-    engine.register_kv_caches(caches.entries, model_name="m")
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
     delay, tier.get_delay_s = tier.get_delay_s, 0.0
     await engine.store(TOKENS, SRC)
     await engine.flush()
@@ -140,7 +140,7 @@ async def test_timeout_budget_grows_per_1k_tokens_still_loading(caches: KVCaches
 
 async def test_retrieve_rejects_an_unknown_policy(caches: KVCaches) -> None:
     async with TieredKVEngine(_config()) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         with pytest.raises(ConfigError, match="best_effort"):
             await e.retrieve(TOKENS, DST, policy="eventually")
 
@@ -149,7 +149,7 @@ async def test_retrieve_rejects_an_unknown_policy(caches: KVCaches) -> None:
 async def test_write_through_writes_at_store(caches: KVCaches) -> None:
     tier = MemoryTier()
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         await e.flush()
         assert tier.stats()["entries"] == 4
@@ -162,7 +162,7 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
     inner = MemoryTier()
     tier = FaultyTier(inner)
     async with TieredKVEngine(_config(write_policy="write_back"), lower_tiers=[tier]) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         await e.flush()
         assert inner.stats()["entries"] == 0  # nothing written at store
@@ -199,7 +199,7 @@ async def test_write_back_with_a_full_queue_refuses_eviction_instead_of_dropping
     tier = FaultyTier(inner)
     config = _config(write_policy="write_back", l2_write_queue=1)
     async with TieredKVEngine(config, lower_tiers=[tier]) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         tier.gate = asyncio.Event()
         await e.evict_l1()  # one demotion queued; the queue is full for the rest
@@ -221,12 +221,12 @@ async def test_write_back_with_a_full_queue_refuses_eviction_instead_of_dropping
 async def test_write_back_demotes_dirty_chunks_at_close(tmp_path: Path, caches: KVCaches) -> None:
     config = _config(l2_path=str(tmp_path / "l2"), write_policy="write_back")
     async with TieredKVEngine(config) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         assert e.stats()["l2"]["entries"] == 0
     assert e.dropped_on_close == 0 and e.leaked_on_close == 0
     async with TieredKVEngine(config) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert e.stats()["l2"]["entries"] == 4
         assert await e.lookup(TOKENS) == 100
         assert await e.retrieve(TOKENS, DST) == 100
@@ -236,7 +236,7 @@ async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
     tier = MemoryTier()
     config = _config(write_policy="selective", selective_min_hits=2)
     async with TieredKVEngine(config, lower_tiers=[tier]) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         await e.flush()
         assert tier.stats()["entries"] == 0
@@ -260,7 +260,7 @@ async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCac
     l2, l3 = MemoryTier("L2"), MemoryTier("L3")
     config = _config(write_policies="L2=write_back, l3=write_through")
     async with TieredKVEngine(config, lower_tiers=[l2, l3]) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         storage = e._storage
         assert storage is not None
         assert (storage.write_policy("L2"), storage.write_policy("L3")) == (
@@ -291,7 +291,7 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
     tier = FaultyTier(inner)
     tier.gate = asyncio.Event()  # the tier never finishes a write until opened
     async with TieredKVEngine(_config(l2_write_queue=1), lower_tiers=[tier]) as e:
-        e.register_kv_caches(caches.entries, model_name="m")
+        e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         # A hang guard, not a timing claim: store must not wait for the stuck tier.
         assert await asyncio.wait_for(e.store(TOKENS, SRC), 5.0) == 100
         stats = e.stats()["storage"]

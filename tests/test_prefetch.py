@@ -62,7 +62,7 @@ async def setup(caches: KVCaches) -> AsyncIterator[tuple[TieredKVEngine, FaultyT
     tier = FaultyTier(MemoryTier(), get_delay_s=0.05)
     engine = TieredKVEngine(_config(), lower_tiers=[tier])
     async with engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await _populate(engine, tier)
         yield engine, tier
     assert engine.leaked_on_close == 0
@@ -147,7 +147,7 @@ async def test_a_failed_load_ends_the_delivered_prefix_and_is_reported(
 ) -> None:
     probe = FaultyTier(MemoryTier(), get_failure_rate=0.5)
     async with TieredKVEngine(_config(), lower_tiers=[probe]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         keys = engine.chunk_keys(TOKENS)
     # A seed whose failures hit chunk 1 only: the outcome is repeatable.
     seed = next(
@@ -158,7 +158,7 @@ async def test_a_failed_load_ends_the_delivered_prefix_and_is_reported(
     )
     tier = FaultyTier(MemoryTier(), seed=seed)
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await _populate(engine, tier)
         tier.get_failure_rate = 0.5
         assert await engine.lookup(TOKENS) == 100
@@ -179,7 +179,7 @@ async def test_prefetch_stops_under_l1_pressure_and_never_evicts_referenced_chun
     tier = FaultyTier(MemoryTier())
     config = _config(l1_size="1MiB", prefetch_l1_fraction=0.5)
     async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         for end in (32, 64, 96, 100):
             await engine.store(TOKENS[:end], SRC)
             await engine.flush()
@@ -208,7 +208,7 @@ async def test_prefetch_without_room_in_l1_stops_with_no_space() -> None:
     tier = FaultyTier(MemoryTier())
     config = _config(l1_size="640KiB", prefetch_l1_fraction=1.0)
     async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         for end in (32, 64, 96, 100):
             await engine.store(TOKENS[:end], SRC)
             await engine.flush()
@@ -230,8 +230,8 @@ async def test_each_registration_prefetches_with_its_own_layout() -> None:
     mla = make_caches("mla", torch.int8, num_blocks=16, seed=1)
     tier = FaultyTier(MemoryTier(), get_delay_s=0.01)
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-        desc_a = engine.register_kv_caches(bf16.entries, model_name="a")
-        desc_b = engine.register_kv_caches(mla.entries, model_name="b")
+        desc_a = engine.register_kv_caches(bf16.entries, model_name="a", layout_hints=bf16.hints)
+        desc_b = engine.register_kv_caches(mla.entries, model_name="b", layout_hints=mla.hints)
         assert desc_a.layout_id != desc_b.layout_id
         await engine.store(TOKENS, SRC, model_name="a")
         await engine.store(TOKENS, SRC, model_name="b")
@@ -267,7 +267,7 @@ async def test_lookups_never_retrieved_are_bounded(caches: KVCaches) -> None:
     tier = FaultyTier(MemoryTier(), get_delay_s=0.05)
     config = _config(prefetch_max_pending=2)
     async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         prompts = [list(range(base, base + 64)) for base in (0, 10_000, 20_000, 30_000)]
         for prompt in prompts:
             await _populate(engine, tier, prompt)
@@ -307,7 +307,7 @@ async def test_close_with_live_handles_and_loads_frees_everything(caches: KVCach
     tier = FaultyTier(MemoryTier(), get_delay_s=0.0)
     engine = TieredKVEngine(_config(), lower_tiers=[tier])
     async with engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await _populate(engine, tier)
         tier.gate = asyncio.Event()
         handle = await engine.prefetch(TOKENS)
@@ -328,7 +328,7 @@ async def test_cancellation_at_every_await_point_leaves_no_reservation(
     tier = FaultyTier(MemoryTier(), get_delay_s=0.0, contains_delay_s=0.0)
     engine = TieredKVEngine(_config(prefetch_concurrency=1), lower_tiers=[tier])
     async with engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await _populate(engine, tier)
 
         async def request() -> int:
@@ -363,7 +363,7 @@ def test_blocking_facade_prefetch_handle_with_the_real_l2(tmp_path: Path) -> Non
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     config = _config(l2_path=str(tmp_path / "l2"))
     with SyncTieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert engine.store(TOKENS, SRC) == 100
         engine.flush()
         engine.evict_l1()

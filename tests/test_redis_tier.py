@@ -77,10 +77,10 @@ async def test_tenants_are_separate_key_spaces(
     tokens = tokens_for(64, seed=12)
     shared = {"l3_url": redis_url, "l3_key_prefix": key_prefix}
     async with TieredKVEngine(_config(namespace="alice/{x}", **shared)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
     async with TieredKVEngine(_config(namespace="bob", **shared)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 0
     names = await _keys(redis_url, f"{key_prefix}:*")
     quoted = urllib.parse.quote("alice/{x}", safe="")
@@ -88,7 +88,7 @@ async def test_tenants_are_separate_key_spaces(
     assert all(name.startswith(f"{key_prefix}:{quoted}:".encode()) for name in names)
     assert all(b"{" not in name for name in names)  # no hash tag sneaks in
     async with TieredKVEngine(_config(namespace="alice/{x}", **shared)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
 
 
@@ -100,7 +100,7 @@ async def test_corrupt_value_is_a_miss_and_removed_and_ttl_applies(
     tokens = tokens_for(32, seed=13)
     config = _config(l3_url=redis_url, l3_key_prefix=key_prefix, l3_ttl_s=60)
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await store_and_drop_l1(engine, caches, tokens)
         (key,) = engine.chunk_keys(tokens)
         name = redis_key_name(key_prefix, key)
@@ -128,7 +128,7 @@ async def test_redis_down_is_only_misses() -> None:
     tokens = tokens_for(64, seed=14)
     tier = RemoteTier(connector, timeout_s=0.5)
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await store_and_drop_l1(engine, caches, tokens)
         assert await engine.lookup(tokens) == 0
     stats = tier.stats()
@@ -144,7 +144,7 @@ async def test_cluster_routes_keys_across_slots(
     tokens = tokens_for(12 * CHUNK, seed=15)
     config = _config(l3_url=redis_cluster_url, l3_key_prefix=key_prefix)
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats()["l3"]["hits"] == 12
@@ -158,7 +158,7 @@ async def test_cluster_routes_keys_across_slots(
     finally:
         await cluster.aclose()
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 12 * CHUNK
         assert engine.stats()["l3"]["exists_calls"] == 1
 

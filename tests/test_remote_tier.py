@@ -74,7 +74,7 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
     # One chunk's L2 file is 8 KiB (4 KiB header page + 4 KiB of KV): L2 keeps only the last.
     config = _config(l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=tkv_server.url)
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
         assert engine.stats()["l2"]["entries"] <= 1
         await retrieve_bit_exact(engine, caches, tokens, src)
@@ -84,7 +84,7 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
     # A fresh process with an empty L2: everything comes from the remote tier.
     config = _config(l2_path=str(tmp_path / "l2-new"), l3_url=tkv_server.url)
     async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats()["storage"]["hits_l3"] == 5
 
@@ -98,7 +98,7 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
     tier = _tier(port)
     try:
         async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m")
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             src = await store_and_drop_l1(engine, caches, first)
             assert await engine.lookup(first) == 64
             await server.aclose()
@@ -156,7 +156,7 @@ async def test_slow_server_times_out_without_stalling_the_engine() -> None:
     tick = asyncio.create_task(ticker())
     try:
         async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m")
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             started = time.perf_counter()
             assert await engine.store(tokens, [1, 2, 3, 4, 5, 6]) == 96
             assert time.perf_counter() - started < 0.15  # remote writes are in the background
@@ -237,14 +237,14 @@ async def test_two_tenants_never_see_each_others_chunks(
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=6)
     async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="a")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
     async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="b")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 0
         assert engine.stats()["l3"]["hits"] == 0
     async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="a")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
 
 
@@ -341,7 +341,7 @@ async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> 
         wrong = tmp_path / "wrong"
         wrong.write_text("wrong")
         async with TieredKVEngine(_config(l3_url=server.url, l3_token_file=str(wrong))) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m")
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             assert await engine.store(tokens, [1, 2, 3, 4]) == 64
             await engine.flush(timeout=10)
             assert engine.stats()["l3"]["put_failures"] == 2
@@ -349,6 +349,6 @@ async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> 
         assert server.stats()["entries"] == 0
         config = _config(l3_url=server.url, l3_token_file=str(token_file))
         async with TieredKVEngine(config) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m")
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             src = await store_and_drop_l1(engine, caches, tokens)
             await retrieve_bit_exact(engine, caches, tokens, src)

@@ -90,7 +90,7 @@ async def test_heterogeneous_groups_incl_132_byte_int8_rows(tmp_path: Path) -> N
     tokens = _tokens(70, seed=3)
     src, dst = [0, 1, 2, 3, 4], [11, 10, 9, 8, 7]
     async with TieredKVEngine(_config(tmp_path)) as engine:
-        desc = engine.register_kv_caches(entries, model_name="hetero")
+        desc = engine.register_kv_caches(entries, model_name="hetero", layout_hints=attn.hints)
         assert [g.row_bytes for g in desc.groups] == [2 * 8 * 2, 132]
         assert [g.num_layers for g in desc.groups] == [3, 2]
         assert await engine.store(tokens, src) == 70
@@ -112,14 +112,14 @@ async def test_restart_recovers_from_l2(tmp_path: Path) -> None:
     tokens = _tokens(100, seed=5)
     src, dst = list(range(7)), list(range(8, 15))
     async with TieredKVEngine(_config(tmp_path)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.store(tokens, src) == 100
     # A new engine (as after a process restart) finds the chunks on disk.
     reference = caches.snapshot()
     poison_blocks(caches, dst)
     expected = caches.snapshot()
     async with TieredKVEngine(_config(tmp_path)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 100
         assert await engine.retrieve(tokens, dst) == 100
         assert engine.stats()["storage"]["hits_l2"] == 4
@@ -132,14 +132,14 @@ async def test_corrupt_l2_file_is_a_miss_never_wrong_data(tmp_path: Path) -> Non
     tokens = _tokens(96, seed=8)
     src, dst = list(range(6)), list(range(8, 14))
     async with TieredKVEngine(_config(tmp_path)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await engine.store(tokens, src)
     files = sorted(p for p in (tmp_path / "l2").rglob("*") if p.is_file() and p.name != ".lock")
     assert len(files) == 3
     # Flip one payload byte in the second chunk's file (its key is the 2nd in the prefix chain).
     keys_by_name = {p.name: p for p in files}
     async with TieredKVEngine(_config(tmp_path)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m")
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         second = keys_by_name[engine.chunk_keys(tokens)[1].hex]
         data = bytearray(second.read_bytes())
         data[-10] ^= 0xFF

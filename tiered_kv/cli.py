@@ -83,6 +83,8 @@ class SimulatedModel:
             torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
         self.free_blocks = list(range(spec.num_blocks))
+        # What the engine knows about its own caches; a shape alone has two readings.
+        self.layout_hints = {"block_size": spec.block_size, "kv_layout": "NHD"}
 
     def allocate_blocks(self, num_tokens: int, rng: random.Random) -> list[int]:
         needed = -(-num_tokens // self.spec.block_size)
@@ -199,7 +201,9 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         progress = Progress(args.users * args.turns + args.users, "demo")
         started = time.perf_counter()
         async with TieredKVEngine(config) as engine:
-            engine.register_kv_caches(model.caches, model_name="demo-model")
+            engine.register_kv_caches(
+                model.caches, model_name="demo-model", layout_hints=model.layout_hints
+            )
             for turn in range(args.turns):
                 for user in users:
                     user.history += [rng.randrange(1, 32000) for _ in range(rng.randint(64, 400))]
@@ -211,7 +215,9 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             before = engine.stats()
         # Restart on the same L2 directory: a new process would see the same thing.
         async with TieredKVEngine(config) as engine:
-            engine.register_kv_caches(model.caches, model_name="demo-model")
+            engine.register_kv_caches(
+                model.caches, model_name="demo-model", layout_hints=model.layout_hints
+            )
             for user in users:
                 report.restart_prompt_tokens += len(user.history)
                 report.restart_hit_tokens += await _serve_turn(
