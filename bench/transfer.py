@@ -5,7 +5,8 @@ Run on a CUDA machine (the device tool): ``PYTHONPATH=. python3 bench/transfer.p
 1. Ceilings, measured here: pinned cudaMemcpy D2H and H2D (1 GiB), both at once on two streams,
    and device-to-device (bytes read + written).
 2. Caches: Llama-3-8B-like (32 layers, 8 KV heads x 128, bf16, block 16) as NHD and as an HND
-   view, MLA (32 layers, 576-wide bf16), and an int8 group with 132-byte rows (32 layers).
+   view, MLA (32 layers, 576-wide bf16), an int8 group with 132-byte rows (32 layers), and
+   whole-block caches (format 'blocks', [NB, 8, 16, 256] bf16: vLLM's CPU-backend layout).
    Chunks of 256 tokens, block tables shuffled (a long-running server's blocks are not adjacent).
 3. For each path: store (gather) and retrieve (scatter) GB/s as the engine sees them (awaited
    mover calls, enqueue and completion included) at 1 and 32 chunks per call; store and
@@ -119,12 +120,25 @@ def make_case(name: str, num_blocks: int) -> tuple[list[Any], dict[str, Any]]:
         return [rand((num_blocks, BLOCK, 576), torch.bfloat16) for _ in range(LAYERS)], hints
     if name == "int8_132":
         return [rand((num_blocks, BLOCK, 132), torch.int8) for _ in range(LAYERS)], hints
+    if name.startswith("blocks"):
+        # Whole-block caches (vLLM's CPU-backend layout [NB, NH, BS, 2*HS], Llama-3-8B heads):
+        # one contiguous run per block and layer: 64 KiB at block 16, 1 MiB at block 256
+        # (case ``blocks_b256``).
+        bs = block_size_of(name)
+        entries = [rand((num_blocks, 8, bs, 256), torch.bfloat16) for _ in range(LAYERS)]
+        return entries, {"block_size": bs, "format": "blocks"}
     raise ValueError(name)
+
+
+def block_size_of(name: str) -> int:
+    """Tokens per block: 16, or what a ``blocks_b<N>`` case names (longer whole-block runs)."""
+    return int(name.removeprefix("blocks_b")) if name.startswith("blocks_b") else BLOCK
 
 
 class Case:
     def __init__(self, name: str, max_chunks: int) -> None:
-        per_chunk = CHUNK // BLOCK
+        self.block_size = block_size_of(name)
+        per_chunk = CHUNK // self.block_size
         self.num_blocks = 2 * max_chunks * per_chunk + 8
         self.name = name
         self.entries, hints = make_case(name, self.num_blocks)
@@ -354,7 +368,7 @@ async def _sweep_one(case: Case, reps: int, n: int, mover: CudaMover, label: str
 def naive_store(case: Case, n: int, hosts: list[torch.Tensor]) -> None:
     """index_select the chunk's blocks per layer and K/V, then copy to pinned memory."""
     blocks = torch.tensor(case.blocks_a, device="cuda")
-    per_chunk = CHUNK // BLOCK
+    per_chunk = CHUNK // case.block_size
     for c in range(n):
         ids = blocks[c * per_chunk : (c + 1) * per_chunk]
         for group in case.layout.groups:
@@ -499,7 +513,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and cases")
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--cases", default="llama_nhd,llama_hnd,mla,int8_132")
+    parser.add_argument("--cases", default="llama_nhd,llama_hnd,mla,int8_132,blocks")
     parser.add_argument("--sweep", action="store_true", help="tune staging slots and CTAs")
     parser.add_argument("--probe", action="store_true", help="time a call's parts and the kernel")
     parser.add_argument("--profile", action="store_true", help="with --probe: cProfile stores")

@@ -21,7 +21,7 @@ from tiered_kv.layout import (
     build_layout,
 )
 
-NB, BS, NH, HS = 5, 4, 3, 8  # all distinct and != 2, so no shape is ambiguous by accident
+NB, BS, NH, HS = 5, 4, 3, 8  # all distinct and != 2, so a block_size hint alone settles a shape
 CHUNK = 16
 
 
@@ -77,7 +77,7 @@ def vllm_nhd() -> Case:
     layers = [filled(2, NB, BS, NH, HS, start=i * 10_000) for i in range(3)]
     return Case(
         layers,
-        None,
+        {"kv_layout": "NHD"},  # without a hint BS and NH could be either of dims 2 and 3
         "vllm",
         "NHD",
         StrideDesc(NB, BS, NH, HS, BS * NH * HS, NH * HS, HS),
@@ -92,13 +92,19 @@ def vllm_hnd_permuted_view() -> Case:
     assert not logical[0].is_contiguous()
     return Case(
         logical,
-        None,
+        {"kv_layout": "HND"},  # names the memory order, not the order of the view's shape
         "vllm",
-        "NHD",  # the view already is in logical order: no permutation needed
+        "HND",
         StrideDesc(NB, BS, NH, HS, NH * BS * HS, HS, BS * HS),
         2,
         [(p[0].permute(0, 2, 1, 3), p[1].permute(0, 2, 1, 3)) for p in physical],
     )
+
+
+def vllm_hnd_permuted_view_block_size_hint() -> Case:
+    case = vllm_hnd_permuted_view()
+    case.hints = {"block_size": BS}  # NH != BS: the size alone says which dim is positions
+    return case
 
 
 def vllm_hnd_hint() -> Case:
@@ -130,7 +136,7 @@ def flashinfer_nhd() -> Case:
     layers = [filled(NB, 2, BS, NH, HS, start=i * 10_000) for i in range(2)]
     return Case(
         layers,
-        None,
+        {"block_size": BS},
         "flashinfer",
         "NHD",
         StrideDesc(NB, BS, NH, HS, 2 * BS * NH * HS, NH * HS, HS),
@@ -173,7 +179,7 @@ def separate_nhd() -> Case:
     ]
     return Case(
         layers,
-        None,
+        {"block_size": BS},
         "separate",
         "NHD",
         StrideDesc(NB, BS, NH, HS, BS * NH * HS, NH * HS, HS),
@@ -202,7 +208,7 @@ def fused() -> Case:
     layers = [filled(NB, NH, BS, 2 * HS, start=i * 10_000) for i in range(2)]
     return Case(
         layers,
-        None,
+        {"block_size": BS},
         "fused",
         "HND",
         StrideDesc(NB, BS, NH, HS, NH * BS * 2 * HS, 2 * HS, BS * 2 * HS),
@@ -229,7 +235,7 @@ def format_hint_ambiguous_vllm() -> Case:
     layers = [filled(2, 2, BS, NH, HS)]
     return Case(
         layers,
-        {"format": "vllm"},
+        {"format": "vllm", "block_size": BS},
         "vllm",
         "NHD",
         StrideDesc(2, BS, NH, HS, BS * NH * HS, NH * HS, HS),
@@ -242,7 +248,7 @@ def format_hint_ambiguous_flashinfer() -> Case:
     layers = [filled(2, 2, BS, NH, HS)]
     return Case(
         layers,
-        {"format": "flashinfer"},
+        {"format": "flashinfer", "block_size": BS},
         "flashinfer",
         "NHD",
         StrideDesc(2, BS, NH, HS, 2 * BS * NH * HS, NH * HS, HS),
@@ -256,6 +262,7 @@ CASES: dict[str, Callable[[], Case]] = {
     for f in (
         vllm_nhd,
         vllm_hnd_permuted_view,
+        vllm_hnd_permuted_view_block_size_hint,
         vllm_hnd_hint,
         vllm_hnd_block_size_hint,
         vllm_nhd_block_size_hint,
@@ -299,7 +306,9 @@ def test_format_detection(name: str) -> None:
 
 
 def test_permuted_hnd_view_and_hinted_contiguous_hnd_agree() -> None:
-    permuted = build_layout(vllm_hnd_permuted_view().caches, chunk_size=CHUNK)
+    permuted = build_layout(
+        vllm_hnd_permuted_view().caches, chunk_size=CHUNK, layout_hints={"block_size": BS}
+    )
     hinted = build_layout(
         vllm_hnd_hint().caches, chunk_size=CHUNK, layout_hints={"kv_layout": "HND"}
     )
@@ -311,7 +320,9 @@ def test_permuted_hnd_view_and_hinted_contiguous_hnd_agree() -> None:
 
 def test_views_write_through_to_the_engine_cache() -> None:
     physical = torch.zeros(2, NB, NH, BS, HS, dtype=torch.bfloat16)
-    layout = build_layout([physical.permute(0, 1, 3, 2, 4)], chunk_size=CHUNK)
+    layout = build_layout(
+        [physical.permute(0, 1, 3, 2, 4)], chunk_size=CHUNK, layout_hints={"kv_layout": "HND"}
+    )
     key_view, value_view = layout.groups[0].kv_views[0]
     key_view[3, 1, 2].fill_(1.5)  # block 3, position 1, head 2
     value_view[0, 3, 0].fill_(-2.0)
@@ -325,7 +336,7 @@ def test_dict_input_keeps_names() -> None:
         "model.layers.0.attn": torch.zeros(2, NB, BS, NH, HS, dtype=torch.float16),
         "model.layers.1.attn": torch.zeros(2, NB, BS, NH, HS, dtype=torch.float16),
     }
-    layout = build_layout(caches, chunk_size=CHUNK)
+    layout = build_layout(caches, chunk_size=CHUNK, layout_hints={"block_size": BS})
     assert layout.layer_names == ("model.layers.0.attn", "model.layers.1.attn")
     assert layout.groups[0].layer_indices == (0, 1)
     assert layout.num_layers == 2
@@ -349,7 +360,9 @@ def test_block_size_hint_picks_the_dim_order() -> None:
 def test_heterogeneous_bf16_vllm_and_int8_mla_layers() -> None:
     vllm_layers = [torch.zeros(2, NB, BS, NH, HS, dtype=torch.bfloat16) for _ in range(4)]
     mla_layers = [torch.zeros(NB, BS, 132, dtype=torch.int8) for _ in range(2)]
-    layout = build_layout([*vllm_layers, *mla_layers], chunk_size=CHUNK)
+    layout = build_layout(
+        [*vllm_layers, *mla_layers], chunk_size=CHUNK, layout_hints={"block_size": BS}
+    )
     assert len(layout.groups) == 2
     bf16, int8 = layout.groups
     assert (bf16.index, int8.index) == (0, 1)
@@ -378,6 +391,7 @@ def test_groups_are_ordered_by_first_layer() -> None:
     layout = build_layout(
         [mla_layer(), vllm_layer(), vllm_layer(), mla_layer(), vllm_layer(), vllm_layer()],
         chunk_size=CHUNK,
+        layout_hints={"block_size": BS},
     )
     assert [g.format for g in layout.groups] == ["mla", "vllm"]
     assert layout.groups[0].layer_indices == (0, 3)
@@ -389,14 +403,18 @@ def test_groups_are_ordered_by_first_layer() -> None:
 def test_different_head_counts_make_separate_groups() -> None:
     small = torch.zeros(2, NB, BS, NH, HS, dtype=torch.float16)
     wide = torch.zeros(2, NB, BS, 2 * NH, HS, dtype=torch.float16)
-    layout = build_layout([small, wide, small.clone(), wide.clone()], chunk_size=CHUNK)
+    layout = build_layout(
+        [small, wide, small.clone(), wide.clone()],
+        chunk_size=CHUNK,
+        layout_hints={"block_size": BS},
+    )
     assert [g.layer_indices for g in layout.groups] == [(0, 2), (1, 3)]
     assert [g.host.row_elems for g in layout.groups] == [NH * HS, 2 * NH * HS]
 
 
 def test_fp8_caches_are_supported() -> None:
     cache = torch.zeros(2, NB, BS, NH, HS, dtype=torch.float8_e4m3fn)
-    layout = build_layout([cache], chunk_size=CHUNK)
+    layout = build_layout([cache], chunk_size=CHUNK, layout_hints={"block_size": BS})
     assert layout.groups[0].host.dtype == torch.float8_e4m3fn
     assert layout.groups[0].host.row_bytes == NH * HS
 
@@ -478,29 +496,35 @@ def _layout_id(layers: list[Any], **hints: Any) -> str:
 
 def test_layout_id_is_stable() -> None:
     # Stored chunks carry this id in their keys: it must not change between processes/releases.
-    assert _layout_id([_vllm()] * 4) == "a9eda0d1ab0dbbc9"
-    assert _layout_id([_vllm()] * 4) == _layout_id([_vllm()] * 4)
-    assert re.fullmatch(r"[0-9a-f]{16}", _layout_id([_vllm()]))
+    assert _layout_id([_vllm()] * 4, block_size=BS) == "a9eda0d1ab0dbbc9"
+    assert _layout_id([_vllm()] * 4, kv_layout="NHD") == "a9eda0d1ab0dbbc9"  # hints only read
+    assert _layout_id([_vllm()] * 4, block_size=BS) == _layout_id([_vllm()] * 4, block_size=BS)
+    assert re.fullmatch(r"[0-9a-f]{16}", _layout_id([_vllm()], block_size=BS))
 
 
 def test_layout_id_ignores_block_geometry() -> None:
-    base = _layout_id([_vllm()] * 2)
-    assert _layout_id([_vllm(num_blocks=NB + 7)] * 2) == base
-    assert _layout_id([_vllm(block_size=16)] * 2) == base
+    base = _layout_id([_vllm()] * 2, block_size=BS)
+    assert _layout_id([_vllm(num_blocks=NB + 7)] * 2, block_size=BS) == base
+    assert _layout_id([_vllm(block_size=16)] * 2, block_size=16) == base
     # The host layout does not depend on the GPU format either.
-    assert _layout_id([torch.zeros(NB, 2, BS, NH, HS, dtype=torch.bfloat16)] * 2) == base
+    flashinfer = torch.zeros(NB, 2, BS, NH, HS, dtype=torch.bfloat16)
+    assert _layout_id([flashinfer] * 2, block_size=BS) == base
     pair = (torch.zeros(NB, BS, NH, HS, dtype=torch.bfloat16),) * 2
-    assert _layout_id([pair, pair]) == base
-    assert _layout_id([_vllm().permute(0, 1, 3, 2, 4)] * 2) != base  # NH and BS swapped: NH=4
+    assert _layout_id([pair, pair], block_size=BS) == base
+    # Nor on the order the dims are presented in: the same memory read through a permuted view.
+    assert _layout_id([_vllm().permute(0, 1, 3, 2, 4)] * 2, block_size=BS) == base
+    # Read with NH and BS swapped (NH=4 heads per row), the rows differ.
+    assert _layout_id([_vllm()] * 2, block_size=NH) != base
 
 
 def test_layout_id_changes_with_dtype_heads_and_layers() -> None:
-    base = _layout_id([_vllm()] * 2)
+    base = _layout_id([_vllm()] * 2, block_size=BS)
     others = {
-        _layout_id([_vllm(dtype=torch.float16)] * 2),
-        _layout_id([_vllm(dtype=torch.float8_e4m3fn)] * 2),
-        _layout_id([_vllm(heads=NH + 1)] * 2),
-        _layout_id([_vllm()] * 3),
+        _layout_id([_vllm(dtype=torch.float16)] * 2, block_size=BS),
+        _layout_id([_vllm(dtype=torch.float8_e4m3fn)] * 2, block_size=BS),
+        # NH + 1 == BS: the block size no longer tells the dims apart, the memory order does.
+        _layout_id([_vllm(heads=NH + 1)] * 2, block_size=BS, kv_layout="NHD"),
+        _layout_id([_vllm()] * 3, block_size=BS),
         _layout_id([torch.zeros(NB, BS, NH * HS, dtype=torch.bfloat16)] * 2),  # MLA: K=1
     }
     assert base not in others
@@ -509,6 +533,67 @@ def test_layout_id_changes_with_dtype_heads_and_layers() -> None:
 
 def test_blocks_needed() -> None:
     assert [blocks_needed(n, 16) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+
+
+# -- format 'blocks': whole contiguous blocks, moved as they lie ---------------------------------
+BLOCKS = {"format": "blocks", "block_size": BS}
+
+
+def test_blocks_format_moves_whole_blocks() -> None:
+    layers = [filled(NB, NH, BS, 2 * HS, start=i * 10_000) for i in range(2)]
+    layout = build_layout(layers, chunk_size=CHUNK, layout_hints=BLOCKS)
+    assert len(layout.groups) == 1
+    group = layout.groups[0]
+    assert group.format == "blocks"
+    assert group.layer_indices == (0, 1)
+    row = NH * 2 * HS
+    assert group.strides == StrideDesc(NB, BS, 1, row, NH * BS * 2 * HS, row, row)
+    assert group.host == GroupLayout(torch.float32, 2, 1, row, BS, (NH, BS, 2 * HS))
+    assert group.host.block_size == BS and group.host.block_shape == (NH, BS, 2 * HS)
+    assert layout.block_size == BS and layout.num_blocks == NB
+    assert layout.layout_desc.token_multiple == BS
+    for views, tensor in zip(group.kv_views, layers, strict=True):
+        assert len(views) == 1
+        (view,) = views
+        assert view.shape == (NB, BS, 1, row)
+        assert view.data_ptr() == tensor.data_ptr()  # zero-copy
+        assert torch.equal(storage_view(view, group.strides), view)
+        for block in range(NB):
+            assert torch.equal(view[block].flatten(), tensor[block].flatten())
+    view = group.kv_views[0][0]
+    view[2].fill_(-1.0)  # writes land in block 2 of the engine's tensor, nowhere else
+    assert torch.all(layers[0][2] == -1.0)
+    assert int((layers[0] == -1.0).sum()) == NH * BS * 2 * HS
+
+
+def test_blocks_format_keeps_the_memory_order_of_a_permuted_view() -> None:
+    physical = filled(NB, NH, BS, 2 * HS)
+    layout = build_layout([physical.permute(0, 2, 1, 3)], chunk_size=CHUNK, layout_hints=BLOCKS)
+    group = layout.groups[0]
+    assert group.host.block_shape == (NH, BS, 2 * HS)  # the block's dims in memory order
+    for block in range(NB):
+        assert torch.equal(group.kv_views[0][0][block].flatten(), physical[block].flatten())
+
+
+def test_blocks_format_errors() -> None:
+    cache = filled(NB, NH, BS, 2 * HS)
+    message = _raises([cache], {"format": "blocks"})
+    assert "block_size" in message and "kv_caches['layer0']" in message
+    message = _raises([cache[:, :, :, :HS]], BLOCKS)
+    assert "contiguous" in message and "(5, 3, 4, 8)" in message
+    with pytest.raises(LayoutError, match="whole number of blocks"):
+        build_layout([cache], chunk_size=BS + 2, layout_hints=BLOCKS)
+    build_layout([cache], chunk_size=2 * BS, layout_hints=BLOCKS)  # a multiple is fine
+
+
+def test_blocks_layout_id_differs_from_rows() -> None:
+    blocks = _layout_id([filled(NB, NH, BS, 2 * HS)], **BLOCKS)
+    rows = build_layout([filled(NB, BS, NH * 2 * HS)], chunk_size=CHUNK)  # MLA: same rows
+    assert rows.layout_desc.groups[0].row_elems == NH * 2 * HS
+    assert rows.layout_desc.groups[0].dtype == torch.float32
+    assert blocks != rows.layout_desc.layout_id
+    # The block's shape is part of the id: the same bytes in another order are another layout.
+    assert blocks != _layout_id([filled(NB, BS, NH, 2 * HS)], **BLOCKS)
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -520,11 +605,84 @@ def _raises(caches: Any, hints: dict[str, Any] | None = None) -> str:
 
 
 def test_ambiguous_five_d_shape() -> None:
-    message = _raises([torch.zeros(2, 2, BS, NH, HS, dtype=torch.float16)])
+    # NB == 2: with the block size known, vLLM [2, NB, ...] and FlashInfer [NB, 2, ...] remain.
+    cache = torch.zeros(2, 2, BS, NH, HS, dtype=torch.float16)
+    message = _raises([cache], {"block_size": BS})
     assert "(2, 2, 4, 3, 8)" in message
-    assert "ambiguous" in message
-    assert "layout_hints" in message and "'format'" in message
+    assert "has 2 readings" in message
+    assert "vllm NHD" in message and "flashinfer NHD" in message
+    assert "layout_hints={'format': 'vllm' or 'flashinfer'}" in message
     assert "kv_caches['layer0']" in message
+    # Without hints all four readings remain, and every hint that may be needed is named.
+    message = _raises([cache])
+    assert "has 4 readings" in message
+    assert "'block_size'" in message and "'kv_layout'" in message and "'format'" in message
+
+
+def test_no_hint_contiguous_five_d_is_refused() -> None:
+    # Contiguous [2, NB, BS, NH, HS] is equally vLLM NHD with BS=shape[2] and vLLM HND with
+    # BS=shape[3]: the strides cannot tell, so registration refuses instead of guessing.
+    message = _raises([_vllm()])
+    assert "kv_caches['layer0']: shape (2, 5, 4, 3, 8) with strides (480, 96, 24, 8, 1)" in message
+    assert "has 2 readings with no layout_hints" in message
+    assert f"vllm NHD (num_blocks={NB}, block_size={BS}, kv_heads={NH})" in message
+    assert f"vllm HND (num_blocks={NB}, block_size={NH}, kv_heads={BS})" in message
+    assert f"layout_hints={{'block_size': {BS} or {NH}}}" in message
+    assert "layout_hints={'kv_layout': 'NHD' or 'HND'}" in message
+
+
+def test_kv_layout_names_memory_order() -> None:
+    view = vllm_hnd_permuted_view().caches  # [2, NB, BS, NH, HS] view of [2, NB, NH, BS, HS]
+    contiguous = vllm_hnd_hint().caches
+    from_view = build_layout(view, chunk_size=CHUNK, layout_hints={"kv_layout": "HND"})
+    from_physical = build_layout(contiguous, chunk_size=CHUNK, layout_hints={"kv_layout": "HND"})
+    assert from_view.groups[0].strides == from_physical.groups[0].strides
+    assert from_view.groups[0].strides.pos_stride == HS
+    assert from_view.groups[0].strides.head_stride == BS * HS
+    assert from_view.block_size == from_physical.block_size == BS
+    assert from_view.groups[0].kv_layout == from_physical.groups[0].kv_layout == "HND"
+    assert from_view.layout_desc == from_physical.layout_desc
+    # The memory is HND with BS positions: an NHD hint cannot be reconciled with that.
+    message = _raises(view, {"kv_layout": "NHD", "block_size": BS})
+    assert "cannot be read with layout_hints={'kv_layout': 'NHD', 'block_size': 4}" in message
+    assert f"vllm HND (num_blocks={NB}, block_size={BS}, kv_heads={NH})" in message
+    # Alone, an NHD hint reads the same memory as NHD with the outer dim (size NH) as positions.
+    swapped = build_layout(view, chunk_size=CHUNK, layout_hints={"kv_layout": "NHD"})
+    assert swapped.groups[0].kv_layout == "NHD"
+    assert (swapped.block_size, swapped.groups[0].strides.num_heads) == (NH, BS)
+    assert swapped.groups[0].strides.pos_stride == BS * HS
+
+
+def test_nh_equal_bs_needs_kv_layout() -> None:
+    cache = filled(2, NB, BS, BS, HS)
+    message = _raises([cache], {"block_size": BS})
+    assert "has 2 readings" in message
+    # both readings have BS positions: only kv_layout is offered as the way out
+    assert message.endswith("Pass layout_hints={'kv_layout': 'NHD' or 'HND'} to say which")
+    nhd = build_layout(
+        [cache], chunk_size=CHUNK, layout_hints={"block_size": BS, "kv_layout": "NHD"}
+    )
+    hnd = build_layout([cache], chunk_size=CHUNK, layout_hints={"kv_layout": "HND"})
+    assert nhd.groups[0].kv_layout == "NHD"
+    assert nhd.groups[0].strides == StrideDesc(NB, BS, BS, HS, BS * BS * HS, BS * HS, HS)
+    check_views(nhd, [(cache[0], cache[1])])
+    assert hnd.groups[0].kv_layout == "HND"
+    assert hnd.groups[0].strides == StrideDesc(NB, BS, BS, HS, BS * BS * HS, HS, BS * HS)
+    check_views(hnd, [(cache[0].transpose(1, 2), cache[1].transpose(1, 2))])
+
+
+def test_size_one_heads_read_without_block_size() -> None:
+    # Dims 2 and 3 of [2, NB, BS, 1, HS] leave two NHD readings (BS=4 x 1 head, or 1 x 4 heads);
+    # the size-1 dim's stride as given places it inside the positions.
+    cache = filled(2, NB, BS, 1, HS)
+    layout = build_layout([cache], chunk_size=CHUNK, layout_hints={"kv_layout": "NHD"})
+    group = layout.groups[0]
+    assert layout.block_size == BS
+    assert group.strides.num_heads == 1
+    assert group.strides.block_size == BS
+    assert group.strides.pos_stride == HS
+    assert group.host.row_elems == HS
+    check_views(layout, [(cache[0], cache[1])])
 
 
 def test_five_d_without_kv_dim() -> None:
@@ -561,11 +719,15 @@ def test_non_contiguous_last_dim() -> None:
 def test_mixed_devices() -> None:
     cpu = torch.zeros(2, NB, BS, NH, HS, dtype=torch.float16)
     meta = torch.empty(2, NB, BS, NH, HS, dtype=torch.float16, device="meta")
-    message = _raises([cpu, meta])
-    assert "meta" in message and "cpu" in message
-    assert "kv_caches['layer1']" in message
-    pair_message = _raises([(cpu[0], meta[0])])
-    assert "meta" in pair_message
+    hints = {"block_size": BS}  # each layer reads on its own: only the devices disagree
+    build_layout([cpu], chunk_size=CHUNK, layout_hints=hints)
+    build_layout([meta], chunk_size=CHUNK, layout_hints=hints)
+    message = _raises([cpu, meta], hints)
+    assert "kv_caches['layer1']: on meta, other layers on cpu" in message
+    pair_message = _raises([(cpu[0], meta[0])], hints)
+    assert "kv_caches['layer0']: on meta, other layers on cpu" in pair_message
+    # Devices are checked before a layer is read: no hints, and still the device is named.
+    assert "on meta, other layers on cpu" in _raises([(cpu[0], meta[0])])
 
 
 @pytest.mark.parametrize(
@@ -591,7 +753,10 @@ def test_bad_hints(hints: dict[str, Any], fragment: str) -> None:
 
 def test_block_size_hint_matching_no_dim() -> None:
     message = _raises([_vllm()], {"block_size": 16})
-    assert "16" in message and "(4, 3)" in message
+    assert "cannot be read with layout_hints={'block_size': 16}" in message
+    # names what the tensor reads as without the hint: block size 4 or 3
+    assert "without the hints it reads as" in message
+    assert "block_size=4, kv_heads=3" in message and "block_size=3, kv_heads=4" in message
 
 
 def test_block_size_hint_contradicting_the_caches() -> None:
@@ -601,7 +766,10 @@ def test_block_size_hint_contradicting_the_caches() -> None:
 
 
 def test_mismatched_block_sizes_across_groups() -> None:
-    message = _raises([_vllm(block_size=4), torch.zeros(NB, 8, 64, dtype=torch.bfloat16)])
+    # kv_layout settles the vLLM layer (BS 4) and leaves MLA (one position dim, BS 8) alone.
+    message = _raises(
+        [_vllm(block_size=4), torch.zeros(NB, 8, 64, dtype=torch.bfloat16)], {"kv_layout": "NHD"}
+    )
     assert "[4, 8]" in message
     assert "block size" in message
 

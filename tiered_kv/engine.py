@@ -269,7 +269,7 @@ class TieredKVEngine:
     def chunk_keys(self, token_ids: TokenIds, *, model_name: str | None = None) -> list[ChunkKey]:
         """The keys this engine uses for ``token_ids`` (one per chunk, a partial last included)."""
         reg = self._registration(model_name)
-        return chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        return chunk_keys(reg.scope, _whole_blocks(reg, token_ids), self.config.chunk_size)
 
     def layout_desc(self, model_name: str | None = None) -> MemoryLayoutDesc:
         return self._registration(model_name).layout.layout_desc
@@ -336,6 +336,7 @@ class TieredKVEngine:
         storage = self._require_storage()
         mover = self._require_mover()
         reg = self._registration(model_name)
+        token_ids = _whole_blocks(reg, token_ids)
         keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
@@ -375,6 +376,7 @@ class TieredKVEngine:
         """
         storage = self._require_storage()
         reg = self._registration(model_name)
+        token_ids = _whole_blocks(reg, token_ids)
         keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
         num_tokens = _count(token_ids)
         where = await storage.locate(keys)
@@ -443,6 +445,7 @@ class TieredKVEngine:
         """
         storage = self._require_storage()
         reg = self._registration(model_name)
+        token_ids = _whole_blocks(reg, token_ids)
         keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
         where = await storage.locate(keys)
         self._counters.prefetch_calls += 1
@@ -501,6 +504,15 @@ class TieredKVEngine:
             raise LayoutError(
                 f"skip_prefix_tokens must be in [0, {num_tokens}], got {skip_prefix_tokens!r}"
             )
+        multiple = reg.layout.layout_desc.token_multiple
+        if skip_prefix_tokens % multiple:
+            raise LayoutError(
+                f"skip_prefix_tokens={skip_prefix_tokens} is not a whole number of blocks of "
+                f"{multiple}: these caches are moved as whole blocks"
+            )
+        token_ids = _whole_blocks(reg, token_ids)
+        num_tokens = _count(token_ids)
+        skip_prefix_tokens = min(skip_prefix_tokens, num_tokens)
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.retrieve_calls += 1
         chunk_size = self.config.chunk_size
@@ -664,6 +676,16 @@ class TieredKVEngine:
 
 def _count(token_ids: TokenIds) -> int:
     return len(token_ids)
+
+
+def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:
+    """The tokens a registration can cache: all of them, or for caches moved as whole blocks
+    (format 'blocks') the whole blocks only; a partial last block is never stored or loaded."""
+    multiple = reg.layout.layout_desc.token_multiple
+    if multiple == 1:
+        return token_ids
+    count = _count(token_ids)
+    return token_ids[: count - count % multiple]
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
