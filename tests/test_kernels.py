@@ -210,8 +210,12 @@ def test_block_rows_widen_narrow_contiguous_rows_only() -> None:
 def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:
     small, _ = _layout("vllm_nhd")
     assert choose_path(small) == "staging"  # 16 tokens x 32 bytes: runs far too short
-    big, _ = _layout("vllm_nhd", num_heads=8, head_size=256, block_size=32, num_layers=1)
-    assert choose_path(big) == "dma"  # 32 x 4 KiB contiguous per block
+    medium, _ = _layout("vllm_nhd", num_heads=8, head_size=256, block_size=32, num_layers=1)
+    assert choose_path(medium) == "staging"  # 128 KiB runs: DMA measured slower than staging
+    big, _ = _layout(
+        "vllm_nhd", num_heads=8, head_size=256, block_size=1024, num_layers=1, num_blocks=3
+    )
+    assert choose_path(big) == "dma"  # 1024 x 4 KiB contiguous per block
     hnd, _ = _layout("vllm_hnd_view", num_heads=8, head_size=256, block_size=32, num_layers=1)
     assert choose_path(hnd) == "staging"
     assert choose_path(hnd, "mapped") == "mapped"

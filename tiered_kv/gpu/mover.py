@@ -55,8 +55,10 @@ RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `_slot_fills`
 LEAD_SLOTS = 2  # staging enqueues this many slots' worth before yielding to the loop
 EDGE_CTA_FACTOR = 4  # CTAs of the first (gather) or last (scatter) kernel, times staging_ctas
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
-# below it the copy engines spend their time on descriptors (bench/transfer.py measures both).
-DMA_MIN_RUN_BYTES = 64 * 1024
+# below it the copy engines spend their time on descriptors. Measured (bench/transfer.py, H100,
+# 32-chunk calls, whole-block runs): DMA reached 58% / 79% / 90% of the PCIe ceiling with 64 KiB /
+# 256 KiB / 1 MiB runs, while staging reached 97-98% for each, so DMA stays off up to there.
+DMA_MIN_RUN_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
