@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import tempfile
 from typing import Any
@@ -25,6 +26,7 @@ from tiered_kv import EngineConfig, SyncTieredKVEngine
 from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import KVMover
 from tiered_kv.gpu.dispatch import DeviceMover
+from tiered_kv.layout import build_layout
 
 POISON = 0xA5
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn)
@@ -330,3 +332,20 @@ def test_whole_block_caches_round_trip_and_refuse_partial_blocks(device: str) ->
     config = EngineConfig(chunk_size=24, l1_size="16MiB")
     with SyncTieredKVEngine(config) as engine, pytest.raises(LayoutError, match="whole number"):
         engine.register_kv_caches(caches, model_name="m", layout_hints=hints)
+
+
+def test_kv_layout_read_as_memory_order_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The HND hint with vLLM's NHD-ordered view is what LMCache-style callers mean: read as the
+    memory order, and said once (not once per layer or per registration)."""
+    physical = [torch.zeros(2, 9, 5, 7, 8) for _ in range(3)]  # sizes no other test uses
+    view = [p.permute(0, 1, 3, 2, 4) for p in physical]
+    caplog.set_level(logging.INFO, logger="tiered_kv.layout")
+    for _ in range(2):
+        layout = build_layout(view, chunk_size=16, layout_hints={"kv_layout": "HND"})
+        assert (layout.block_size, layout.groups[0].strides.num_heads) == (7, 5)
+    lines = [r.getMessage() for r in caplog.records if "names the memory order" in r.message]
+    assert len(lines) == 1
+    assert "(2, 9, 7, 5, 8)" in lines[0] and "block_size=7" in lines[0]
+    caplog.clear()
+    build_layout(physical, chunk_size=16, layout_hints={"kv_layout": "HND"})  # shape in HND order
+    assert not [r for r in caplog.records if "names the memory order" in r.getMessage()]
