@@ -53,6 +53,13 @@ class LowerTier(abc.ABC):
         On False the object's bytes are unspecified; the caller must not use them.
         """
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Mark ``keys`` as recently used (they hit in a tier above), so that eviction keeps them.
+
+        Batched and cheap: never a round trip per key, never an error (a failure is counted and
+        ignored). Keys the tier does not hold are skipped. The default does nothing."""
+        return None
+
     @abc.abstractmethod
     async def remove(self, key: ChunkKey) -> bool:
         """Drop ``key``; True when it was present."""

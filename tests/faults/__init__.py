@@ -1,0 +1,1 @@
+"""Fault suite: crashes, soaks, hostile clients, full disks (docs/reliability.md)."""
