@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
@@ -98,6 +99,32 @@ class _Counters:
     implicit_prefetches_abandoned: int = 0
 
 
+_P = ParamSpec("_P")
+
+
+def _call(
+    method: Callable[Concatenate[TieredKVEngine, _P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[TieredKVEngine, _P], Coroutine[Any, Any, T]]:
+    """A public verb: refused once close has begun, and waited for by `aclose` while it runs."""
+
+    @functools.wraps(method)
+    async def verb(engine: TieredKVEngine, /, *args: _P.args, **kwargs: _P.kwargs) -> T:
+        if engine._closed:
+            raise EngineStateError("TieredKVEngine is closed or closing")
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always called from a task
+            return await method(engine, *args, **kwargs)
+        engine._calls[task] = engine._calls.get(task, 0) + 1
+        try:
+            return await method(engine, *args, **kwargs)
+        finally:
+            depth = engine._calls.pop(task) - 1
+            if depth:
+                engine._calls[task] = depth
+
+    return verb
+
+
 class TieredKVEngine:
     """Async engine. Use ``async with TieredKVEngine(config) as engine:`` (or `open` / `aclose`).
 
@@ -127,6 +154,8 @@ class TieredKVEngine:
         self._mover: KVMover | None = None
         self._l2: LowerTier | None = None
         self._closed = False
+        # Tasks inside a public verb (with nesting depth): aclose lets them finish first.
+        self._calls: dict[asyncio.Task[Any], int] = {}
         self.dropped_on_close = 0
         self.leaked_on_close = 0  # host bytes still referenced when the arena closed (a bug)
 
@@ -191,10 +220,12 @@ class TieredKVEngine:
     ) -> None:
         await self.aclose()
 
+    @_call
     async def flush(self, timeout: float | None = None) -> int:
         """Wait until queued lower-tier writes finish; returns how many were still pending."""
         return await self._require_storage().flush(timeout)
 
+    @_call
     async def evict_l1(self, max_bytes: int | None = None) -> int:
         """Evict unreferenced L1 chunks, least recently used first; returns bytes freed.
 
@@ -203,10 +234,28 @@ class TieredKVEngine:
         return self._require_storage().l1.evict_unreferenced(max_bytes)
 
     async def aclose(self) -> None:
-        """Flush pending writes (bounded by ``close_timeout_s``), then free every host byte."""
+        """Refuse new calls, let the calls in flight finish and flush pending writes (together
+        bounded by ``close_timeout_s``; calls still running then are cancelled and waited for),
+        then free every host byte. What a store reported stored is written before close returns,
+        unless the timeout ran out first (counted in ``dropped_on_close``)."""
         if self._closed:
             return
         self._closed = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.close_timeout_s
+        current = asyncio.current_task()
+        calls = [task for task in self._calls if task is not current]
+        if calls:
+            _, running = await asyncio.wait(calls, timeout=self.config.close_timeout_s)
+            for task in running:
+                task.cancel()
+            if running:
+                # A cancelled call gives back its reservations at once; movers keep their own
+                # references until their copies end (they wait for that in their aclose).
+                await asyncio.wait(running)
+                logger.warning(
+                    "tiered_kv: %d calls still running at close were cancelled", len(running)
+                )
         storage, mover, arena = self._storage, self._mover, self._arena
         prefetch, self._prefetch = self._prefetch, None
         self._storage = self._mover = None
@@ -215,7 +264,8 @@ class TieredKVEngine:
             if prefetch is not None:
                 await prefetch.aclose()
             if storage is not None:
-                self.dropped_on_close = await storage.aclose(self.config.close_timeout_s)
+                remaining = max(0.0, deadline - loop.time())
+                self.dropped_on_close = await storage.aclose(remaining)
                 if self.dropped_on_close:
                     logger.warning(
                         "tiered_kv: %d chunk writes to lower tiers were dropped at close",
@@ -325,6 +375,7 @@ class TieredKVEngine:
             raise LayoutError(f"block_ids: {bad[:8]} out of range [0, {reg.layout.num_blocks})")
         return ids
 
+    @_call
     async def store(
         self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
     ) -> int:
@@ -368,6 +419,7 @@ class TieredKVEngine:
             for _, transfer in staged:
                 transfer.obj.unref()
 
+    @_call
     async def lookup(self, token_ids: TokenIds, *, model_name: str | None = None) -> int:
         """Tokens of the longest cached prefix across all tiers (a miss ends the prefix).
 
@@ -435,6 +487,7 @@ class TieredKVEngine:
             slots, reg.layout.layout_desc, first_chunk=first_chunk
         )
 
+    @_call
     async def prefetch(
         self, token_ids: TokenIds, *, model_name: str | None = None
     ) -> PrefetchHandle:
@@ -477,6 +530,7 @@ class TieredKVEngine:
         )
         return result.valid_tokens
 
+    @_call
     async def retrieve_detailed(
         self,
         token_ids: TokenIds,
@@ -524,6 +578,11 @@ class TieredKVEngine:
         if handle is None or handle.released:
             where = await storage.locate(keys[first:])
             handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
+        covered = handle.first_chunk + len(handle.slots)
+        if covered < len(keys):  # the prefix grew since the lookup that made the handle
+            handle.extend(
+                [(keys[i], self._chunk_tokens(i, num_tokens)) for i in range(covered, len(keys))]
+            )
         desc = reg.layout.layout_desc
         loop = asyncio.get_running_loop()
         started = loop.time()

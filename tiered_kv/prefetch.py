@@ -353,25 +353,26 @@ class PrefetchHandle:
         """After retrieve: drop what it did not take (late loads keep running into L1)."""
         self._release("late")
 
+    def extend(self, chunks: Sequence[tuple[ChunkKey, int]]) -> None:
+        """Append unreserved slots for the chunks (key, token count) after the handle's last: a
+        retrieve of a prefix that grew since the lookup that made the handle."""
+        start = self.first_chunk + len(self._slots)
+        for offset, (key, num_tokens) in enumerate(chunks):
+            self._slots.append(PrefetchSlot(start + offset, key, num_tokens, in_l1=False))
+
     def add_slot(
         self, index: int, key: ChunkKey, num_tokens: int, load: _Load | None
     ) -> PrefetchSlot:
-        """Retrieve reserved a chunk the handle did not have (evicted since lookup, not reserved
-        because of L1 pressure then, or past the prefix it located). Slots are visited in
-        order, so ``index`` replaces an unreserved slot or appends the next one."""
-        slot = PrefetchSlot(index, key, num_tokens, in_l1=False, load=load, held=load is not None)
+        """Retrieve reserved a chunk whose slot holds no reservation (evicted since lookup, or
+        not reserved because of L1 pressure then); the new slot replaces it."""
         position = index - self.first_chunk
-        if 0 <= position < len(self._slots):
-            if self._slots[position].held:
-                raise ValueError(f"PrefetchHandle.add_slot: chunk {index} is already reserved")
-            self._slots[position] = slot
-        elif position == len(self._slots):
-            self._slots.append(slot)
-        else:
+        if not 0 <= position < len(self._slots) or self._slots[position].held:
             raise ValueError(
-                f"PrefetchHandle.add_slot: chunk {index} is outside chunks "
-                f"[{self.first_chunk}, {self.first_chunk + len(self._slots)}]"
+                f"PrefetchHandle.add_slot: chunk {index} is not an unreserved slot of chunks "
+                f"[{self.first_chunk}, {self.first_chunk + len(self._slots)})"
             )
+        slot = PrefetchSlot(index, key, num_tokens, in_l1=False, load=load, held=load is not None)
+        self._slots[position] = slot
         return slot
 
     def slot(self, index: int) -> PrefetchSlot | None:

@@ -29,6 +29,10 @@ from tiered_kv.tiers.l1 import L1Tier
 logger = logging.getLogger(__name__)
 
 WRITERS_PER_TIER = 2
+# Recency of chunks that hit in L1 is passed down to the lower tiers in batches: at this many
+# keys, or after this long, whichever comes first (and on flush and close).
+TOUCH_BATCH = 256
+TOUCH_INTERVAL_S = 0.5
 SELECTIVE_TRACKED_KEYS = 1 << 16  # hit counters kept for "selective" admission (LRU beyond)
 
 WRITE_THROUGH, WRITE_BACK, SELECTIVE = WRITE_POLICIES
@@ -98,6 +102,11 @@ class StorageManager:
         self._opened = False
         self._demoting: dict[ChunkKey, MemoryObj] = {}
         self._hit_counts: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._touched: dict[ChunkKey, None] = {}  # L1 hits not yet passed down, oldest first
+        self._touch_wanted = asyncio.Event()
+        self._toucher: asyncio.Task[None] | None = None
+        self.touches_sent = 0
+        self.touch_failures = 0
         self.hits = {name: 0 for name in (l1.name, *(tier.name for tier in self.lower))}
         self.reads = [_TierReads() for _ in self.lower]
         self.misses = 0
@@ -119,6 +128,8 @@ class StorageManager:
                 for i in range(WRITERS_PER_TIER)
             ]
             self._queues.append(wq)
+        if self.lower:
+            self._toucher = asyncio.create_task(self._touch_loop(), name="tkv-touch")
         self._opened = True
 
     def write_policy(self, tier_name: str) -> str | None:
@@ -175,9 +186,10 @@ class StorageManager:
                 if present:
                     where[i] = index
         end = next((i for i, w in enumerate(where) if w is None), len(where))
-        for w in where[:end]:
+        for key, w in zip(keys, where[:end], strict=False):
             if w == -1:
                 self.located_l1 += 1
+                self._note_l1_hit(key)
             elif w is not None:
                 self.reads[w].located += 1
         if end < len(where):
@@ -304,7 +316,47 @@ class StorageManager:
                 self.l1.mark_dirty(key)  # its write is still pending; `_settle` cleans it
             obj = demoting.ref()
         self.hits[self.l1.name] += 1
+        self._note_l1_hit(key)
         return obj
+
+    # -- recency ----------------------------------------------------------------------------
+    def _note_l1_hit(self, key: ChunkKey) -> None:
+        """A chunk hit in L1: its copies below must not age out while it is hot (a system
+        prompt served from L1 would otherwise be the first thing L2 evicts)."""
+        if not self.lower:
+            return
+        self._touched.pop(key, None)
+        self._touched[key] = None
+        if len(self._touched) >= TOUCH_BATCH:
+            self._touch_wanted.set()
+
+    async def _touch_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._touch_wanted.wait(), TOUCH_INTERVAL_S)
+            self._touch_wanted.clear()
+            await self.pass_down_recency()
+
+    async def pass_down_recency(self) -> None:
+        """Tell each lower tier which of its chunks hit in L1 since the last call (one batched
+        `touch` per tier, least recent first). A failure is counted, never raised."""
+        if not self._touched:
+            return
+        keys = list(self._touched)
+        self._touched.clear()
+        for tier in self.lower:
+            held = [key for key in keys if tier.contains(key)]
+            if not held:
+                continue
+            try:
+                await tier.touch(held)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # tier boundary: recency is a hint, never an error
+                logger.warning("%s touch failed", tier.name, exc_info=True)
+                self.touch_failures += 1
+                continue
+            self.touches_sent += len(held)
 
     async def read_into(self, tier_index: int, key: ChunkKey, obj: MemoryObj) -> bool:
         """Fill ``obj`` from ``lower[tier_index]``; a failure or exception is a miss (False)."""
@@ -366,7 +418,9 @@ class StorageManager:
     # -- shutdown ---------------------------------------------------------------------------
     async def flush(self, timeout: float | None = None) -> int:
         """Wait for queued lower-tier writes. Returns how many were still pending at the timeout
-        (those stay queued; `aclose` drops them). Dirty write_back chunks stay in L1."""
+        (those stay queued; `aclose` drops them). Dirty write_back chunks stay in L1. Recency of
+        L1 hits is passed down first."""
+        await self.pass_down_recency()
         joins = [wq.queue.join() for wq in self._queues]
         if not joins:
             return 0
@@ -407,6 +461,11 @@ class StorageManager:
             return 0
         dropped = 0
         try:
+            if self._toucher is not None:
+                self._toucher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._toucher
+                self._toucher = None
             if self._queues:
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + timeout
@@ -419,6 +478,11 @@ class StorageManager:
                         timeout,
                     )
         finally:
+            if self._toucher is not None:
+                self._toucher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._toucher
+                self._toucher = None
             for wq in self._queues:
                 for task in wq.workers:
                     task.cancel()
@@ -454,6 +518,8 @@ class StorageManager:
         out["located_l1"] = self.located_l1
         out["located_misses"] = self.located_misses
         out["demoting"] = len(self._demoting)
+        out["touches_sent"] = self.touches_sent
+        out["touch_failures"] = self.touch_failures
         for tier, reads in zip(self.lower, self.reads, strict=True):
             prefix = f"{tier.name.lower()}_read"
             out[f"located_{tier.name.lower()}"] = reads.located

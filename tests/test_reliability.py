@@ -1,0 +1,133 @@
+"""Defects the fault and load probes found (issue 11), each reproduced as it was reported."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kvfactory import expect_copy, make_caches, poison_blocks
+from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.errors import EngineStateError
+
+CHUNK = 64
+
+
+def _tokens(n: int) -> list[int]:
+    return list(range(7000, 7000 + n))
+
+
+async def test_retrieve_of_a_prefix_grown_since_lookup_extends_its_handle(tmp_path: Path) -> None:
+    """store(P[:3 chunks]) → evict → lookup(P) (an implicit prefetch of 3 chunks) → store(P) →
+    lookup(P[:4 chunks]) → only chunk 4 leaves L1 → retrieve(P). The implicit handle covers
+    chunks 0-2, so chunk 4's reservation lay outside it: retrieve raised and leaked it."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=48, block_size=16)
+    prompt = _tokens(5 * CHUNK)
+    src, dst = list(range(20)), list(range(24, 44))
+    config = EngineConfig(
+        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False
+    )
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(prompt[: 3 * CHUNK], src) == 3 * CHUNK
+        await engine.flush()
+        await engine.evict_l1()
+        assert await engine.lookup(prompt) == 3 * CHUNK
+        assert await engine.store(prompt, src) == 2 * CHUNK
+        await engine.flush()
+        assert await engine.lookup(prompt[: 4 * CHUNK]) == 4 * CHUNK
+        # The least recently used unreferenced chunk is the last one (the lookups touched 0-3).
+        one_chunk = engine.layout_desc().nbytes(CHUNK)
+        assert await engine.evict_l1(one_chunk) == one_chunk
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        result = await engine.retrieve_detailed(prompt, dst)
+        assert (result.valid_tokens, result.stop_reason) == (5 * CHUNK, "complete")
+        expect_copy(caches, expected, reference, src, dst, range(5 * CHUNK), 16)
+        assert caches.bytes_equal(expected)
+    assert engine.leaked_on_close == 0
+
+
+async def test_a_hot_prefix_served_from_l1_survives_l2_eviction_and_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A system prompt served from L1 again and again must not be the first chunk L2 evicts:
+    L1 hits refresh its recency in L2, and that recency survives a restart."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=8, block_size=16)
+    system = _tokens(CHUNK)
+    chunk_bytes = 2 * 2 * CHUNK * 2 * 8 * 2  # layers x K/V x tokens x heads x head_size x bf16
+
+    def config() -> EngineConfig:
+        # L2 holds about 6 chunks; L1 holds them all, so the system prompt always hits in L1.
+        return EngineConfig(
+            chunk_size=CHUNK,
+            l1_size="4MiB",
+            l2_path=str(tmp_path / "l2"),
+            l2_size=6 * chunk_bytes + 6 * 4096,
+            l2_fsync=False,
+        )
+
+    async def serve_turns(engine: TieredKVEngine, first: int, count: int) -> None:
+        for turn in range(first, first + count):
+            prompt = system + list(range(100_000 + turn * CHUNK, 100_000 + (turn + 1) * CHUNK))
+            assert await engine.lookup(prompt) >= CHUNK  # the system prompt hits
+            await engine.store(prompt, [0, 1, 2, 3, 4, 5, 6, 7])
+            await engine.flush()
+
+    async with TieredKVEngine(config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(system, [0, 1, 2, 3]) == CHUNK
+        await engine.flush()
+        await serve_turns(engine, 0, 20)  # 20 more chunks through a 6-chunk L2
+    async with TieredKVEngine(config()) as engine:  # restart: L1 empty, L2 rebuilt from disk
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.lookup(system) == CHUNK, "L2 evicted the hot system prompt"
+        await serve_turns(engine, 20, 20)
+    async with TieredKVEngine(config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.lookup(system) == CHUNK, "lost after the restart"
+        assert engine.stats()["storage"]["touches_sent"] == 0  # nothing hit in L1 yet
+
+
+async def test_close_with_calls_in_flight_keeps_what_was_reported_stored(tmp_path: Path) -> None:
+    """aclose while 12 calls run: every store that reported tokens stored must be on disk after
+    a reopen, calls still running at the deadline end cleanly, and no host byte leaks."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=64, block_size=16)
+    config = EngineConfig(
+        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False
+    )
+    prompts = [list(range(10_000 * (i + 1), 10_000 * (i + 1) + 3 * CHUNK)) for i in range(6)]
+    blocks = list(range(12))
+    engine = TieredKVEngine(config)
+    await engine.open()
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    await engine.store(prompts[0], blocks)
+    calls = [asyncio.create_task(engine.store(p, blocks)) for p in prompts[1:]]
+    calls += [asyncio.create_task(engine.retrieve(prompts[0], blocks)) for _ in range(3)]
+    calls += [asyncio.create_task(engine.lookup(p)) for p in prompts[:4]]
+    await asyncio.sleep(0)  # every call has started and is at its first await
+    await engine.aclose()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert engine.leaked_on_close == 0
+    stored = [p for p, r in zip(prompts[1:], results[:5], strict=True) if r == 3 * CHUNK]
+    assert stored, f"no store finished: {results[:5]}"
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    async with TieredKVEngine(config) as reopened:
+        reopened.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        for prompt in stored:
+            assert await reopened.lookup(prompt) == 3 * CHUNK
+
+
+async def test_calls_after_close_began_are_refused(tmp_path: Path) -> None:
+    caches = make_caches("mla", torch.bfloat16)
+    engine = TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB"))
+    await engine.open()
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    closing = asyncio.create_task(engine.aclose())
+    await asyncio.sleep(0)
+    with pytest.raises(EngineStateError, match="clos"):
+        await engine.store(_tokens(CHUNK), [0, 1, 2, 3])
+    await closing
