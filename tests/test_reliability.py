@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from tests.kvfactory import expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
-from tiered_kv.errors import EngineStateError
+from tiered_kv.errors import EngineStateError, LayoutError
 
 CHUNK = 64
 
@@ -131,3 +132,70 @@ async def test_calls_after_close_began_are_refused(tmp_path: Path) -> None:
     with pytest.raises(EngineStateError, match="clos"):
         await engine.store(_tokens(CHUNK), [0, 1, 2, 3])
     await closing
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "fragment"),
+    [
+        (None, "block_ids"),
+        ([0, 1, 40.5, 3], "block_ids[2]"),
+        (["0", "1", "2", "3"], "block_ids[0]"),
+        ([0, True, 2, 3], "block_ids[1]"),
+        ("0123", "block_ids"),
+        (torch.tensor([0.0, 1.0, 2.0, 3.0]), "float"),
+        (torch.tensor([True, False, True, True]), "bool"),
+        (torch.zeros(2, 2, dtype=torch.long), "shape"),
+    ],
+)
+async def test_block_ids_that_are_not_ints_are_refused(block_ids: object, fragment: str) -> None:
+    caches = make_caches("mla", torch.bfloat16, num_blocks=16)
+    async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        for call in (engine.store, engine.retrieve):
+            with pytest.raises(LayoutError, match=re.escape(fragment)):
+                await call(_tokens(CHUNK), block_ids)  # type: ignore[operator]
+        assert engine.stats()["arena"]["used"] == 0
+
+
+async def test_integer_block_ids_of_every_kind_are_accepted() -> None:
+    np = pytest.importorskip("numpy")  # NumPy is optional; its integers must work when present
+    caches = make_caches("mla", torch.bfloat16, num_blocks=16)
+    async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        tokens = _tokens(CHUNK)
+        kinds = (
+            [0, 1, 2, 3],
+            (0, 1, 2, 3),
+            range(4),
+            torch.arange(4),
+            torch.arange(4, dtype=torch.int32),
+            np.arange(4),
+            [np.int64(i) for i in range(4)],
+        )
+        for ids in kinds:
+            assert await engine.retrieve(tokens, ids) in (0, CHUNK)
+        assert await engine.store(tokens, torch.arange(4)) == CHUNK
+        assert await engine.retrieve(tokens, np.arange(4, 8)) == CHUNK
+
+
+@pytest.mark.parametrize("skip", [64.0, None, "64", True, 1.5])
+async def test_skip_prefix_tokens_that_is_not_an_int_is_refused(skip: object) -> None:
+    caches = make_caches("mla", torch.bfloat16, num_blocks=16)
+    async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        with pytest.raises(LayoutError, match="skip_prefix_tokens"):
+            await engine.retrieve(_tokens(CHUNK), [0, 1, 2, 3], skip_prefix_tokens=skip)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("token_ids", [bytes(256), bytearray(256), memoryview(bytes(256)), "ab"])
+async def test_byte_strings_as_token_ids_are_refused(token_ids: object) -> None:
+    """bytes were counted as one token per byte but hashed as packed uint32 ids: store said 256
+    tokens and retrieve then failed inside the mover."""
+    caches = make_caches("mla", torch.bfloat16, num_blocks=32)
+    async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        for call in (engine.lookup, engine.prefetch):
+            with pytest.raises(LayoutError, match="ambiguous"):
+                await call(token_ids)  # type: ignore[operator]
+        with pytest.raises(LayoutError, match="ambiguous"):
+            await engine.store(token_ids, list(range(16)))  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -364,12 +365,13 @@ class TieredKVEngine:
         self, reg: Registration, block_ids: Sequence[int], num_tokens: int
     ) -> list[int]:
         needed = -(-num_tokens // reg.layout.block_size)
-        if len(block_ids) < needed:
+        ids = _block_id_list(block_ids)
+        if len(ids) < needed:
             raise LayoutError(
                 f"block_ids: {num_tokens} tokens need {needed} blocks of "
-                f"{reg.layout.block_size}, got {len(block_ids)}"
+                f"{reg.layout.block_size}, got {len(ids)}"
             )
-        ids = [int(b) for b in block_ids[:needed]]
+        ids = ids[:needed]
         if ids and not 0 <= min(ids) <= max(ids) < reg.layout.num_blocks:
             bad = [b for b in ids if not 0 <= b < reg.layout.num_blocks]
             raise LayoutError(f"block_ids: {bad[:8]} out of range [0, {reg.layout.num_blocks})")
@@ -554,7 +556,8 @@ class TieredKVEngine:
         if policy not in PREFETCH_POLICIES:
             raise ConfigError(f"policy: expected one of {PREFETCH_POLICIES}, got {policy!r}")
         num_tokens = _count(token_ids)
-        if isinstance(skip_prefix_tokens, bool) or not 0 <= skip_prefix_tokens <= num_tokens:
+        skip_prefix_tokens = _int_argument("skip_prefix_tokens", skip_prefix_tokens)
+        if not 0 <= skip_prefix_tokens <= num_tokens:
             raise LayoutError(
                 f"skip_prefix_tokens must be in [0, {num_tokens}], got {skip_prefix_tokens!r}"
             )
@@ -735,6 +738,43 @@ class TieredKVEngine:
 
 def _count(token_ids: TokenIds) -> int:
     return len(token_ids)
+
+
+def _int_argument(name: str, value: Any) -> int:
+    """``value`` as an int when it is one (Python or NumPy/torch integer scalar), else a
+    `LayoutError` naming the argument: 64.0, "64", True and None are refused, not coerced."""
+    if isinstance(value, bool):
+        raise LayoutError(f"{name}: expected an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise LayoutError(f"{name}: expected an int, got {value!r}") from None
+
+
+def _block_id_list(block_ids: Any) -> list[int]:
+    """``block_ids`` (a sequence of ints, or a 1-D integer tensor or array) as a list of ints.
+    Floats, strings, bools and None are refused, never truncated or parsed."""
+    dtype = getattr(block_ids, "dtype", None)
+    if dtype is not None and hasattr(block_ids, "tolist"):
+        kind = str(dtype)
+        if "int" not in kind or "bool" in kind or getattr(block_ids, "ndim", 1) != 1:
+            raise LayoutError(
+                f"block_ids: expected a 1-D integer tensor or array, got {kind} with shape "
+                f"{tuple(getattr(block_ids, 'shape', ()))}"
+            )
+        values: list[int] = block_ids.tolist()
+        return values
+    if block_ids is None or isinstance(block_ids, (str, bytes, bytearray, memoryview)):
+        raise LayoutError(
+            f"block_ids: expected a sequence of ints or a 1-D integer tensor, got {block_ids!r}"
+        )
+    try:
+        items = list(block_ids)
+    except TypeError:
+        raise LayoutError(
+            f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}"
+        ) from None
+    return [_int_argument(f"block_ids[{i}]", value) for i, value in enumerate(items)]
 
 
 def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:

@@ -152,6 +152,12 @@ class ChunkKey:
 def token_bytes(ids: TokenIds) -> memoryview:
     """Token ids as little-endian uint32 bytes (ids must be in [0, 2**32))."""
     token_ids: Any = ids
+    if isinstance(token_ids, (bytes, bytearray, memoryview, str)):
+        # One id per byte, or packed uint32? Refused rather than guessed.
+        raise LayoutError(
+            f"token_ids: {type(token_ids).__name__} is ambiguous; pass a list of ints or a 1-D "
+            "integer tensor or array (packed uint32: numpy.frombuffer(data, '<u4'))"
+        )
     if hasattr(token_ids, "numpy") and hasattr(token_ids, "dim"):  # torch tensor
         if token_ids.dim() != 1:
             raise LayoutError(
