@@ -333,7 +333,8 @@ class StorageManager:
     async def _touch_loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._touch_wanted.wait(), TOUCH_INTERVAL_S)
+                async with asyncio.timeout(TOUCH_INTERVAL_S):  # no helper task, unlike wait_for
+                    await self._touch_wanted.wait()
             self._touch_wanted.clear()
             await self.pass_down_recency()
 
