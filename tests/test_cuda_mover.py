@@ -425,3 +425,34 @@ async def test_cancelled_caller_leaves_objects_held_until_the_gpu_is_done(path: 
     finally:
         await oracle.aclose()
         assert arena.close() == 0
+
+
+async def test_re_registration_and_close_give_back_the_engines_gpu_memory() -> None:
+    """The mover's plan of a replaced registration held its KV tensors for good; re-registering
+    must let the old caches go, and close must give back everything the engine allocated."""
+    import gc
+
+    from tiered_kv import EngineConfig, TieredKVEngine
+    from tiered_kv.gpu import kernels
+
+    def allocated() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    baseline = allocated()
+    users_before = dict(kernels._users)
+    sizes = []
+    async with TieredKVEngine(EngineConfig(chunk_size=32, l1_size="16MiB")) as engine:
+        for seed in range(3):
+            caches = make_caches(
+                "vllm_nhd", torch.bfloat16, seed=seed, device="cuda", num_blocks=256
+            )
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+            tokens = list(range(seed * 1000, seed * 1000 + 64))
+            assert await engine.store(tokens, [0, 1, 2, 3]) == 64
+            del caches  # the engine's registration is now the only owner
+            sizes.append(allocated())
+    assert sizes[1] == sizes[0] and sizes[2] == sizes[0], sizes
+    assert allocated() == baseline
+    assert kernels._users == users_before  # the kernel module was released with the mover

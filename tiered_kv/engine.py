@@ -274,7 +274,11 @@ class TieredKVEngine:
                     )
         finally:
             if mover is not None:
+                for registration in self._registrations.values():
+                    mover.forget(registration.layout)
                 await mover.aclose()
+            # A closed engine cannot reopen: let go of the engine's KV tensors.
+            self._registrations.clear()
             if arena is not None:
                 leaked = self.leaked_on_close = arena.close()
                 if leaked:
@@ -312,9 +316,12 @@ class TieredKVEngine:
             raise LayoutError(str(exc)) from None
         if self._mover is not None:
             self._mover.prepare(layout)
+        previous = self._registrations.get(model_name)
         self._registrations[model_name] = Registration(
             model_name, world_size, worker_id, layout, scope
         )
+        if previous is not None and self._mover is not None:
+            self._mover.forget(previous.layout)  # the old caches must not stay allocated
         return layout.layout_desc
 
     def chunk_keys(self, token_ids: TokenIds, *, model_name: str | None = None) -> list[ChunkKey]:

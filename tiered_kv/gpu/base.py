@@ -54,6 +54,11 @@ class KVMover(abc.ABC):
         transfer (compiling kernels, creating streams, allocating buffers). Errors surface at
         registration."""
 
+    def forget(self, layout: KVCacheLayout) -> None:  # noqa: B027 - optional hook
+        """Drop what `prepare` and earlier calls keep for ``layout`` (plans, and with them the
+        references to its KV tensors). Called when a registration is replaced and at close; calls
+        already running keep what they use until they end."""
+
     def stats(self) -> Mapping[str, int | float]:
         """Counters, flat name → number (bytes moved, seconds spent, per path where it has
         several)."""

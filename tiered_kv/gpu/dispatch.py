@@ -44,6 +44,11 @@ class DeviceMover(KVMover):
     def prepare(self, layout: KVCacheLayout) -> None:
         self.mover_for(layout).prepare(layout)
 
+    def forget(self, layout: KVCacheLayout) -> None:
+        for mover in (self.torch, self.cuda):
+            if mover is not None:
+                mover.forget(layout)
+
     async def gather(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:

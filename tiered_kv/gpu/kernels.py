@@ -263,6 +263,7 @@ class DeviceKernels:
 
 
 _loaded: dict[int, DeviceKernels] = {}
+_users: dict[int, int] = {}  # device → movers holding its module (load_kernels / release_kernels)
 _load_lock = threading.Lock()
 
 
@@ -281,10 +282,12 @@ def device_arch(device_index: int) -> str:
 
 
 def load_kernels(device_index: int, cache: KernelCache | None = None) -> DeviceKernels:
-    """Compile (or fetch from the cache) and load the copy kernels on a device, once."""
+    """Compile (or fetch from the cache) and load the copy kernels on a device, once per process
+    while anyone uses them; each call must be paired with `release_kernels`."""
     with _load_lock:
         loaded = _loaded.get(device_index)
         if loaded is not None:
+            _users[device_index] += 1
             return loaded
         driver = _driver()
         arch = device_arch(device_index)
@@ -299,4 +302,24 @@ def load_kernels(device_index: int, cache: KernelCache | None = None) -> DeviceK
         }
         loaded = DeviceKernels(device_index, arch, context, module, functions)
         _loaded[device_index] = loaded
+        _users[device_index] = 1
         return loaded
+
+
+def release_kernels(device_index: int) -> None:
+    """The pair of `load_kernels`: the last user unloads the module and releases the primary
+    context it retained (torch keeps its own reference to that context)."""
+    with _load_lock:
+        users = _users.get(device_index, 0) - 1
+        if users > 0:
+            _users[device_index] = users
+            return
+        loaded = _loaded.pop(device_index, None)
+        _users.pop(device_index, None)
+        if loaded is None:
+            return
+        driver = _driver()
+        loaded.make_current()
+        check_driver(driver.cuModuleUnload(loaded.module), "cuModuleUnload")
+        dev = check_driver(driver.cuDeviceGet(device_index), "cuDeviceGet")
+        check_driver(driver.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")

@@ -39,7 +39,13 @@ import torch
 from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.completion import CompletionWaiter, TransferClock
-from tiered_kv.gpu.kernels import COPY_WIDTHS, DeviceKernels, check_driver, load_kernels
+from tiered_kv.gpu.kernels import (
+    COPY_WIDTHS,
+    DeviceKernels,
+    check_driver,
+    load_kernels,
+    release_kernels,
+)
 from tiered_kv.layout import KVCacheLayout, LayerGroup
 from tiered_kv.memory import HostArena, MemoryObj
 
@@ -350,6 +356,13 @@ class CudaMover(KVMover):
         for buffers in state.buffers:
             buffers.reserve(layout.num_blocks)
 
+    def forget(self, layout: KVCacheLayout) -> None:
+        """Drop ``layout``'s plan (which holds the layout and so its KV tensors)."""
+        for state in self._devices.values():
+            plan = state.plans.get(id(layout))
+            if plan is not None and plan.layout is layout:
+                del state.plans[id(layout)]
+
     async def gather(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:
@@ -373,7 +386,10 @@ class CudaMover(KVMover):
             self._idle = asyncio.get_running_loop().create_future()
             await self._idle
         self._waiter.close()
-        self._devices.clear()
+        devices, self._devices = self._devices, {}
+        for index, state in devices.items():
+            state.plans.clear()
+            release_kernels(index)
 
     # -- planning ----------------------------------------------------------------------------
     def _state(self, device: torch.device) -> _DeviceState:
