@@ -118,7 +118,7 @@ class PrefetchController:
             obj = self.storage.allocate(layout, num_tokens)
             if obj is None:
                 self.counters.stopped_no_space += 1
-                self.storage.promotion_failures += 1
+                self.storage.record_promotion_failure()
                 return "no_space"
             load = _Load(key, tuple(tier_indexes), obj)
             self.reserved_bytes += obj.nbytes
@@ -148,10 +148,9 @@ class PrefetchController:
                     break
             if ok:
                 self.counters.bytes_loaded += load.obj.nbytes
-                if self.storage.l1.commit(load.key, load.obj):
-                    self.storage.promotions += 1
+                self.storage.promote(load.key, load.obj)
             else:
-                self.storage.misses += 1
+                self.storage.record_miss()
             return ok
         finally:
             load.running = False

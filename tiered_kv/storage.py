@@ -71,7 +71,8 @@ class StorageManager:
 
     Object ownership: `allocate` hands the caller a staging object with one reference; `commit`
     makes L1 and every write queue take their own, so the caller always drops its reference after
-    committing. `get_l1` / `get` return an object with a reference for the caller.
+    committing. `get_l1` returns an object with a reference for the caller; `promote` publishes a
+    chunk read up from a lower tier (the prefetch controller reads, storage owns the books).
 
     Write policies (``write_policies``: tier name → policy, default write_through):
     write_through queues the write at commit; write_back marks the L1 entry dirty and queues the
@@ -228,9 +229,6 @@ class StorageManager:
             if wq.policy == SELECTIVE and self._enqueue(wq, key, obj):
                 wq.admitted += 1
 
-    def hit_count(self, key: ChunkKey) -> int:
-        return self._hit_counts.get(key, 0)
-
     def _enqueue(self, wq: _WriteQueue, key: ChunkKey, obj: MemoryObj) -> bool:
         """Queue a write of ``obj`` (the queue takes a reference); never blocks."""
         if key in wq.pending or wq.tier.contains(key):
@@ -382,39 +380,21 @@ class StorageManager:
         self.hits[tier.name] += 1
         return True
 
-    async def get(
-        self, key: ChunkKey, layout: MemoryLayoutDesc, num_tokens: int
-    ) -> MemoryObj | None:
-        """The chunk in host memory (caller's reference), promoting a lower-tier hit into L1."""
-        obj = self.get_l1(key)
-        if obj is not None:
-            return obj
-        return await self.get_lower(key, layout, num_tokens)
+    def promote(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """A lower-tier chunk read into ``obj`` (an L1 staging object) becomes an L1 entry; the
+        only promotion path. False when L1 already had it (the caller's object stays its own)."""
+        promoted = self.l1.commit(key, obj)
+        if promoted:
+            self.promotions += 1
+        return promoted
 
-    async def get_lower(
-        self, key: ChunkKey, layout: MemoryLayoutDesc, num_tokens: int
-    ) -> MemoryObj | None:
-        """Read ``key`` from the first lower tier that has it into a new L1 object (promotion).
-
-        Not deduplicated: the engine goes through the prefetch controller instead."""
-        for index in self.lower_holding(key):
-            staging = self.l1.allocate(layout, num_tokens)
-            if staging is None:
-                self.promotion_failures += 1
-                return None
-            try:
-                found = await self.read_into(index, key, staging)
-            except BaseException:
-                staging.unref()
-                raise
-            if not found:
-                staging.unref()
-                continue
-            if self.l1.commit(key, staging):
-                self.promotions += 1
-            return staging
+    def record_miss(self) -> None:
+        """A read that found no usable copy in any tier holding the key."""
         self.misses += 1
-        return None
+
+    def record_promotion_failure(self) -> None:
+        """A lower-tier chunk could not be read up: L1 had no unreferenced room for it."""
+        self.promotion_failures += 1
 
     # -- shutdown ---------------------------------------------------------------------------
     async def flush(self, timeout: float | None = None) -> int:
@@ -505,9 +485,6 @@ class StorageManager:
             self.l1.clear()
             self._opened = False
         return dropped
-
-    def write_queue_depths(self) -> dict[str, int]:
-        return {wq.tier.name: wq.queue.qsize() for wq in self._queues}
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {

@@ -340,9 +340,6 @@ class CudaMover(KVMover):
         self._params_arg = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
 
     # -- public --------------------------------------------------------------------------------
-    def path_for(self, layout: KVCacheLayout) -> str:
-        return self._plan(self._state(layout.device), layout).path
-
     def prepare(self, layout: KVCacheLayout) -> None:
         """Load (or compile) the kernels, create the streams, plan the layout and allocate the
         staging slots and two calls' block-table buffers, so the first transfer pays none of it."""
