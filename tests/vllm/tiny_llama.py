@@ -1,0 +1,71 @@
+"""Build a tiny random-init Llama (weights, config and a WordLevel tokenizer) in a directory.
+
+Nothing is downloaded: the config is written by hand, the weights are random with a fixed seed,
+and the tokenizer is a `tokenizers` WordLevel model over made-up words. Runs in the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+VOCAB_SIZE = 512
+HEAD_DIM = 32  # vLLM's CPU attention accepts 32/64/80/96/112/128/...
+
+
+def build_tiny_llama(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+    """Write a 2-layer Llama (hidden 128, 4 heads, 2 KV heads, head_dim 32) to ``directory``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Larger weights than the default init make the logits far from flat, so greedy output
+        # depends visibly on every position's KV (the negative control needs that).
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(4, VOCAB_SIZE):
+        vocab[f"w{i}"] = i
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.save_pretrained(path)
+    # A generation config that never stops early on EOS is set per request (ignore_eos).
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build_tiny_llama(sys.argv[1]))

@@ -1,0 +1,8 @@
+"""Glue between tiered_kv and serving stacks.
+
+`tiered_kv.integrations.vllm` holds `TieredKVConnector`, vLLM's ``KVConnectorBase_V1`` (needs the
+``vllm`` extra). The other modules here are stack-neutral and never import a serving stack:
+`engine_host` (an engine on its own loop thread, for callers that are plain threads) and
+`lookup_channel` (the local socket over which a scheduler process asks the workers' engines).
+Importing tiered_kv or this package never imports vLLM.
+"""

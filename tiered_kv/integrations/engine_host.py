@@ -1,0 +1,258 @@
+"""`EngineHost`: a `TieredKVEngine` on its own event-loop thread, for serving-stack workers.
+
+Owns the engine, its loop thread, the per-request prefetches that lookups start (keyed by the
+serving stack's request id, released when the request is loaded, finished or abandoned), and the
+`LookupServer` that answers a scheduler in another thread or process. Blocking methods are for
+the worker's own threads; everything touching the engine or the prefetches runs on the loop.
+Must not import a serving stack or touch KV bytes itself (the engine's mover does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from tiered_kv.config import EngineConfig
+from tiered_kv.engine import RetrieveResult, TieredKVEngine, new_event_loop
+from tiered_kv.errors import EngineStateError
+from tiered_kv.integrations.lookup_channel import LookupServer
+from tiered_kv.layout import MemoryLayoutDesc
+from tiered_kv.prefetch import PrefetchHandle
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Lookup:
+    token_ids: list[int]
+    handle: PrefetchHandle
+    started: float
+    deadline: float | None  # prefetch policy "timeout": answer with what is ready by then
+
+
+@dataclasses.dataclass(slots=True)
+class HostCounters:
+    """What the host did for its serving stack (the engine keeps its own counters)."""
+
+    lookups: int = 0
+    lookups_pending: int = 0  # answered "ask again": a load was still in flight
+    lookup_hit_tokens: int = 0  # tokens ready when the lookup answered
+    lookup_seconds: float = 0.0
+    loads: int = 0
+    loaded_tokens: int = 0
+    load_shortfall_tokens: int = 0  # promised to the scheduler, not delivered (recomputed)
+    stores: int = 0
+    stored_tokens: int = 0
+    prefetches_abandoned: int = 0
+
+
+class EngineHost:
+    """One engine on its own loop thread. ``close()`` (or ``with``) ends both.
+
+    Thread-safety: the blocking methods may be called from any thread but the loop's; the
+    lookup path runs on the loop. Prefetch handles never leave the loop.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.counters = HostCounters()
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tiered-kv-host", daemon=True
+        )
+        self._thread.start()
+        self._engine = TieredKVEngine(config)
+        self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
+        self._server: LookupServer | None = None
+        self._model_name: str | None = None
+        self._closed = False
+        try:
+            self._call(self._engine.open())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    # -- blocking API (worker threads) ------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise EngineStateError("EngineHost is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def register_kv_caches(
+        self,
+        kv_caches: Sequence[Any] | Mapping[str, Any],
+        *,
+        model_name: str,
+        world_size: int = 1,
+        worker_id: int = 0,
+        layout_hints: Mapping[str, Any] | None = None,
+    ) -> MemoryLayoutDesc:
+        async def register() -> MemoryLayoutDesc:
+            desc = self._engine.register_kv_caches(
+                kv_caches,
+                model_name=model_name,
+                world_size=world_size,
+                worker_id=worker_id,
+                layout_hints=layout_hints,
+            )
+            self._model_name = model_name
+            return desc
+
+        return self._call(register())
+
+    def serve_lookups(self, path: str) -> None:
+        """Answer `lookup` on the Unix socket ``path`` (see `lookup_channel`)."""
+
+        async def start() -> None:
+            server = LookupServer(path, self.lookup)
+            await server.start()
+            self._server = server
+
+        self._call(start())
+
+    def load(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], *, skip_prefix_tokens: int
+    ) -> RetrieveResult:
+        """Retrieve the cached prefix into ``block_ids``; the lookup's prefetch is released."""
+
+        async def load() -> RetrieveResult:
+            result = await self._engine.retrieve_detailed(
+                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens
+            )
+            self.counters.loads += 1
+            self.counters.loaded_tokens += result.valid_tokens - skip_prefix_tokens
+            self.counters.load_shortfall_tokens += len(token_ids) - result.valid_tokens
+            return result
+
+        return self._call(load())
+
+    def store(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Copy the tokens' KV out of ``block_ids`` (done when this returns); new tokens stored."""
+
+        async def store() -> int:
+            stored = await self._engine.store(token_ids, block_ids)
+            self.counters.stores += 1
+            self.counters.stored_tokens += stored
+            return stored
+
+        return self._call(store())
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Free the prefetches of these requests (loaded, finished or not going to load)."""
+        ids = list(request_ids)
+        if not ids or self._closed:
+            return
+
+        async def release() -> None:
+            for request_id in ids:
+                lookup = self._lookups.pop(request_id, None)
+                if lookup is not None:
+                    lookup.handle.cancel()
+
+        self._call(release())
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        async def stats() -> dict[str, dict[str, int | float]]:
+            out = self._engine.stats()
+            out["host"] = dict(dataclasses.asdict(self.counters))
+            out["host"]["prefetches_held"] = len(self._lookups)
+            return out
+
+        return self._call(stats())
+
+    def metrics_text(self) -> str:
+        async def text() -> str:
+            return self._engine.metrics_text()
+
+        return self._call(text())
+
+    def flush(self, timeout: float | None = None) -> int:
+        return self._call(self._engine.flush(timeout))
+
+    def evict_l1(self) -> int:
+        return self._call(self._engine.evict_l1())
+
+    def close(self) -> None:
+        """Stop serving lookups, free every prefetch, close the engine (flushing pending lower-
+        tier writes, bounded by ``close_timeout_s``) and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+
+        async def close() -> None:
+            server, self._server = self._server, None
+            if server is not None:
+                await server.aclose()
+            for lookup in self._lookups.values():
+                lookup.handle.cancel()
+            self._lookups.clear()
+            await self._engine.aclose()
+
+        try:
+            self._call(close())
+        finally:
+            self._closed = True
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> EngineHost:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- on the loop ------------------------------------------------------------------------
+    async def lookup(self, request_id: str, token_ids: list[int]) -> int | None:
+        """Tokens of ``token_ids``'s cached prefix now in host memory, or None ("ask again")
+        while the loads the first lookup started are in flight, per ``prefetch_policy``:
+        best_effort answers at once, wait_complete when every load ended, timeout when every
+        load ended or its budget ran out. Failed loads (a corrupt chunk) end the prefix."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        clock = time.perf_counter()
+        lookup = self._lookups.get(request_id)
+        if lookup is None or lookup.token_ids != token_ids or lookup.handle.released:
+            if lookup is not None:
+                lookup.handle.cancel()
+            handle = await self._engine.prefetch(token_ids, model_name=self._model_name)
+            deadline = None
+            if self.config.prefetch_policy == "timeout":
+                deadline = started + (
+                    self.config.prefetch_timeout_base_s
+                    + self.config.prefetch_timeout_per_1k_tokens_s * handle.hit_tokens / 1000
+                )
+            lookup = _Lookup(token_ids, handle, started, deadline)
+            self._lookups[request_id] = lookup
+            while len(self._lookups) > self.config.prefetch_max_pending:
+                _, oldest = self._lookups.popitem(last=False)
+                oldest.handle.cancel()
+                self.counters.prefetches_abandoned += 1
+        self._lookups.move_to_end(request_id)
+        self.counters.lookups += 1
+        handle = lookup.handle
+        policy = self.config.prefetch_policy
+        answer: int | None
+        if (
+            policy == "best_effort"
+            or handle.done()
+            or (lookup.deadline is not None and loop.time() >= lookup.deadline)
+        ):
+            answer = handle.ready_tokens()
+            self.counters.lookup_hit_tokens += answer
+        else:
+            answer = None
+            self.counters.lookups_pending += 1
+        self.counters.lookup_seconds += time.perf_counter() - clock
+        return answer

@@ -1,0 +1,290 @@
+"""The local lookup channel: a scheduler asks a worker-side engine how much of a prompt is cached.
+
+Owns the wire format (one Unix stream socket per worker rank; frames are a 4-byte big-endian
+length and a UTF-8 JSON object), `LookupServer` (served on the engine's event loop, answering
+with a coroutine the worker side supplies) and `LookupClient` (used by the scheduler from its
+own thread, blocking for at most a few milliseconds per call). Must not import a serving stack,
+touch KV bytes, or let a slow or missing worker block the scheduler: an answer that has not
+arrived in time is "ask again" (None), an unreachable worker is a miss (0).
+
+Messages: request ``{"id": n, "req": request_id, "tokens": [ints]}``; reply ``{"id": n,
+"ready": int or null}`` where null means "a load is still in flight, ask again". A worker that
+cannot answer replies ``{"id": n, "ready": 0, "error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from tiered_kv.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct(">I")
+MAX_FRAME_BYTES = 64 << 20  # a 4M-token prompt as JSON; anything larger is a broken peer
+
+LookupHandler = Callable[[str, list[int]], Awaitable[int | None]]
+
+
+def default_socket_dir() -> str:
+    """A per-user directory under the temp dir (mode 0700): other users cannot ask or answer."""
+    return os.path.join(tempfile.gettempdir(), f"tiered-kv-{os.getuid()}")
+
+
+def socket_path(directory: str, instance_id: str, rank: int) -> str:
+    """Where rank ``rank`` of serving instance ``instance_id`` listens."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in instance_id)[:64]
+    path = os.path.join(directory, f"{safe}-r{rank}.sock")
+    if len(path.encode()) > 100:  # sun_path is 108 bytes on Linux, 104 on macOS
+        raise ConfigError(
+            f"lookup socket path {path!r} is longer than 100 bytes; set lookup_socket_dir "
+            "to a shorter directory"
+        )
+    return path
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return _LEN.pack(len(body)) + body
+
+
+class LookupServer:
+    """Serves lookups on a Unix socket. Create, `start` and `aclose` on the engine's loop.
+
+    Each connection's requests are answered in order by ``handler(request_id, token_ids)``;
+    a malformed frame closes only that connection.
+    """
+
+    def __init__(self, path: str, handler: LookupHandler) -> None:
+        self.path = path
+        self._handler = handler
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self.requests = 0
+        self.errors = 0
+
+    async def start(self) -> None:
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale socket of a crashed run with the same instance id
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        os.chmod(self.path, 0o600)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections[task] = writer
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(_LEN.size)
+                except asyncio.IncompleteReadError:
+                    return
+                (length,) = _LEN.unpack(head)
+                if length > MAX_FRAME_BYTES:
+                    logger.warning("tiered_kv lookup channel: %d-byte frame refused", length)
+                    return
+                message = json.loads(await reader.readexactly(length))
+                reply = await self._answer(message)
+                writer.write(_encode(reply))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+            logger.warning("tiered_kv lookup channel: connection closed: %s", exc)
+        finally:
+            writer.close()
+            if task is not None:
+                self._connections.pop(task, None)
+
+    async def _answer(self, message: Any) -> dict[str, Any]:
+        if not isinstance(message, dict):
+            raise ValueError("a request must be a JSON object")
+        request_id, tokens = message.get("req"), message.get("tokens")
+        if not isinstance(request_id, str) or not isinstance(tokens, list):
+            raise ValueError("a request needs 'req' (str) and 'tokens' (list of ints)")
+        self.requests += 1
+        try:
+            ready = await self._handler(request_id, tokens)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel's boundary: a failed lookup is a miss
+            self.errors += 1
+            logger.warning("tiered_kv lookup of %s failed", request_id, exc_info=True)
+            return {"id": message.get("id"), "ready": 0, "error": f"{type(exc).__name__}: {exc}"}
+        return {"id": message.get("id"), "ready": ready}
+
+    async def aclose(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        # Closing a connection's transport ends its reader with EOF: the handler returns by
+        # itself (cancelling it would make asyncio log the CancelledError as an error).
+        for writer in list(self._connections.values()):
+            writer.close()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=5.0)
+        if server is not None:
+            await server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class _Peer:
+    """One rank's connection, owned by a `LookupClient` (scheduler thread only)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.buffer = bytearray()
+        self.pending: dict[int, str] = {}  # message id -> request id
+        self.answers: dict[str, int | None] = {}
+        self.retry_at = 0.0
+
+    def connect(self, timeout: float) -> socket.socket | None:
+        if self.sock is not None:
+            return self.sock
+        if time.monotonic() < self.retry_at:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            self.retry_at = time.monotonic() + 1.0
+            logger.warning("tiered_kv: lookup channel %s unreachable: %s", self.path, exc)
+            return None
+        sock.setblocking(False)
+        self.sock = sock
+        return sock
+
+    def drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = None
+        self.buffer.clear()
+        self.pending.clear()
+        self.retry_at = time.monotonic() + 1.0
+
+    def read_available(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        while True:
+            try:
+                data = sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.drop()
+                return
+            if not data:
+                self.drop()
+                return
+            self.buffer += data
+        while len(self.buffer) >= _LEN.size:
+            (length,) = _LEN.unpack_from(self.buffer)
+            if length > MAX_FRAME_BYTES:
+                self.drop()
+                return
+            if len(self.buffer) < _LEN.size + length:
+                break
+            body = bytes(self.buffer[_LEN.size : _LEN.size + length])
+            del self.buffer[: _LEN.size + length]
+            try:
+                reply = json.loads(body)
+                request_id = self.pending.pop(reply["id"])
+            except (ValueError, KeyError, TypeError):
+                self.drop()
+                return
+            ready = reply.get("ready")
+            if "error" in reply:
+                logger.warning(
+                    "tiered_kv: lookup of %s failed on %s: %s",
+                    request_id,
+                    self.path,
+                    reply["error"],
+                )
+            if request_id:  # "" marks a request the scheduler forgot
+                self.answers[request_id] = ready if isinstance(ready, int) else None
+
+
+class LookupClient:
+    """Asks every rank's `LookupServer`; the answer is the minimum over ranks.
+
+    Scheduler thread only. `lookup` never blocks longer than ``wait_s`` (plus a connect of at
+    most ``connect_timeout_s`` on first use): an answer still missing then is None ("ask
+    again"); it is picked up by a later call for the same request.
+    """
+
+    def __init__(
+        self, paths: Sequence[str], *, wait_s: float = 0.05, connect_timeout_s: float = 1.0
+    ) -> None:
+        self._peers = [_Peer(path) for path in paths]
+        self._wait_s = wait_s
+        self._connect_timeout_s = connect_timeout_s
+        self._next_id = 0
+        self.unreachable = 0
+
+    def lookup(self, request_id: str, token_ids: Sequence[int]) -> int | None:
+        """Cached tokens of ``token_ids`` ready on every rank; None: ask again; 0 on failure."""
+        deadline = time.monotonic() + self._wait_s
+        for peer in self._peers:
+            if request_id in peer.answers or request_id in peer.pending.values():
+                continue
+            sock = peer.connect(self._connect_timeout_s)
+            if sock is None:
+                self.unreachable += 1
+                return 0
+            self._next_id += 1
+            peer.pending[self._next_id] = request_id
+            frame = _encode({"id": self._next_id, "req": request_id, "tokens": list(token_ids)})
+            try:
+                sock.setblocking(True)
+                sock.settimeout(self._connect_timeout_s)
+                sock.sendall(frame)
+                sock.setblocking(False)
+            except OSError as exc:
+                logger.warning("tiered_kv: lookup channel %s failed: %s", peer.path, exc)
+                peer.drop()
+                self.unreachable += 1
+                return 0
+        while True:
+            for peer in self._peers:
+                peer.read_available()
+                if peer.sock is None and request_id not in peer.answers:
+                    self.unreachable += 1
+                    self.forget(request_id)
+                    return 0
+            if all(request_id in peer.answers for peer in self._peers):
+                answers = [peer.answers.pop(request_id) for peer in self._peers]
+                if any(answer is None for answer in answers):
+                    return None
+                return min(answer for answer in answers if answer is not None)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            socks = [peer.sock for peer in self._peers if peer.sock is not None]
+            select.select(socks, [], [], remaining)
+
+    def forget(self, request_id: str) -> None:
+        """Drop answers for ``request_id`` (a reply still on the way is discarded on arrival)."""
+        for peer in self._peers:
+            peer.answers.pop(request_id, None)
+            for message_id in [m for m, r in peer.pending.items() if r == request_id]:
+                peer.pending[message_id] = ""  # keeps the id matched; the answer is dropped
+
+    def close(self) -> None:
+        for peer in self._peers:
+            peer.drop()

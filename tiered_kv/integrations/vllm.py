@@ -1,0 +1,568 @@
+"""`TieredKVConnector`: tiered_kv as a vLLM (v1) KV connector.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="TieredKVConnector",
+                     kv_connector_module_path="tiered_kv.integrations.vllm",
+                     kv_role="kv_both",  # or kv_producer (store only) / kv_consumer (load only)
+                     kv_connector_extra_config={"chunk_size": 256, "l2_path": "/var/cache/tkv"})
+
+Owns the two halves vLLM creates. The **scheduler** half (no KV caches in its process) asks the
+workers' engines over the local lookup channel how much of a prompt is cached and ready in host
+memory, claims whole blocks beyond vLLM's own prefix-cache hit, and plans per step which blocks
+each worker loads and stores (`TieredKVMetadata`). The **worker** half owns an `EngineHost`
+(the engine on its own loop thread, serving the channel), registers vLLM's per-layer caches,
+loads in `start_load_kv` before the forward pass, stores in `wait_for_save` after it (the copy
+out of the blocks is done when it returns, so vLLM may free them at once), and reports blocks
+whose load fell short so that vLLM recomputes them.
+
+Must not: block the scheduler on disk or network (a lookup whose loads are in flight answers
+"ask again"), claim a partial block, load into blocks vLLM's own prefix cache owns, or let a
+tiered_kv failure fail a request (it is a miss, or failed blocks vLLM recomputes). vLLM is
+imported here only; importing tiered_kv never imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from tiered_kv.config import EngineConfig
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.engine_host import EngineHost
+from tiered_kv.integrations.lookup_channel import (
+    LookupClient,
+    default_socket_dir,
+    socket_path,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# -- configuration ------------------------------------------------------------------------------
+
+_ENGINE_FIELDS = tuple(field.name for field in dataclasses.fields(EngineConfig))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorOptions:
+    """Connector settings beyond `EngineConfig` (all optional in ``kv_connector_extra_config``).
+
+    model_name: the name in chunk keys; default: vLLM's ``model_config.model``. Two instances
+        share chunks only when it (and namespace, fingerprint, layout) agree.
+    layout_hints: passed to ``register_kv_caches``; default: ``{"format": "blocks",
+        "block_size": BS}`` for vLLM's CPU backend, ``{"block_size": BS, "kv_layout": L}``
+        (vLLM's own layout) on GPUs.
+    lookup_socket_dir: directory of the scheduler-to-worker sockets (default: a per-user
+        directory under the temp dir).
+    lookup_wait_ms: how long one scheduler lookup waits for the workers' answer before
+        answering "ask again".
+    """
+
+    model_name: str | None = None
+    layout_hints: Mapping[str, Any] | None = None
+    lookup_socket_dir: str | None = None
+    lookup_wait_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.model_name is not None and (
+            not isinstance(self.model_name, str) or not self.model_name
+        ):
+            raise ConfigError(f"model_name: expected a non-empty str, got {self.model_name!r}")
+        if self.layout_hints is not None and not isinstance(self.layout_hints, Mapping):
+            raise ConfigError(f"layout_hints: expected a dict, got {self.layout_hints!r}")
+        if self.lookup_socket_dir is not None and not isinstance(self.lookup_socket_dir, str):
+            raise ConfigError(f"lookup_socket_dir: expected a str, got {self.lookup_socket_dir!r}")
+        wait = self.lookup_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 10_000:
+            raise ConfigError(f"lookup_wait_ms: expected a number in [0, 10000], got {wait!r}")
+
+
+_OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(ConnectorOptions))
+
+
+def parse_extra_config(
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, ConnectorOptions]:
+    """``kv_connector_extra_config`` as an `EngineConfig` (``TIERED_KV_*`` variables fill what it
+    leaves out) and `ConnectorOptions`. Unknown keys raise `ConfigError` naming the known ones."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_ENGINE_FIELDS) - set(_OPTION_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown keys {unknown}; tiered_kv accepts every "
+            f"EngineConfig field {list(_ENGINE_FIELDS)} and {list(_OPTION_FIELDS)}"
+        )
+    options = ConnectorOptions(**{k: v for k, v in extra.items() if k in _OPTION_FIELDS})
+    try:
+        config = EngineConfig.from_env(
+            environ, **{k: v for k, v in extra.items() if k in _ENGINE_FIELDS}
+        )
+    except TypeError as exc:  # pragma: no cover - keys are checked above
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    return config, options
+
+
+# -- scheduler -> worker metadata ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class LoadSpec:
+    """Load ``token_ids``'s cached prefix into ``block_ids``, never writing the first
+    ``skip_prefix_tokens`` (vLLM's own prefix-cache hit). ``token_ids`` ends at the last block
+    the scheduler claimed."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    skip_prefix_tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class StoreSpec:
+    """Store the KV of ``token_ids`` (whole blocks) from ``block_ids`` after this step."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """One step's plan: loads (before the forward pass), stores (after it), and requests whose
+    lookup prefetches the workers may free."""
+
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    stores: list[StoreSpec] = dataclasses.field(default_factory=list)
+    release: list[str] = dataclasses.field(default_factory=list)
+
+
+# -- stats through vLLM ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TieredKVConnectorStats(KVConnectorStats):
+    """Counters of one logging interval (sums over workers): lookups, tokens loaded and stored,
+    blocks whose load failed, hits per tier."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: value for key, value in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+_STATS_KEYS = (
+    ("host", "loads"),
+    ("host", "loaded_tokens"),
+    ("host", "load_shortfall_tokens"),
+    ("host", "stored_tokens"),
+    ("host", "lookups"),
+    ("host", "lookups_pending"),
+    ("host", "lookup_seconds"),
+    ("storage", "hits_l1"),
+    ("storage", "hits_l2"),
+    ("storage", "hits_l3"),
+)
+
+
+# -- the connector ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _RequestState:
+    """Scheduler-side bookkeeping of one request."""
+
+    request: Request
+    local_tokens: int = 0  # vLLM's block-aligned prefix-cache hit at the last lookup
+    load_end: int = 0  # end of the tokens to load (0: none)
+    load_pending: bool = False
+    stored_end: int = 0  # tokens already handed to a StoreSpec
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by a tiered_kv engine per worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.engine_config, self.options = parse_extra_config(transfer.kv_connector_extra_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ConfigError("TieredKVConnector: pipeline parallelism is not supported yet")
+        self._world_size = int(parallel.tensor_parallel_size)
+        self._model_name = self.options.model_name or str(vllm_config.model_config.model)
+        self._is_producer = bool(transfer.is_kv_producer)
+        self._is_consumer = bool(transfer.is_kv_consumer)
+        self._instance_id = str(transfer.engine_id)
+        self._socket_dir = self.options.lookup_socket_dir or default_socket_dir()
+        # scheduler side
+        self._requests: dict[str, _RequestState] = {}
+        self._release: list[str] = []
+        self._client: LookupClient | None = None
+        # worker side
+        self._host: EngineHost | None = None
+        self._load_errors: set[int] = set()
+        self._stats_last: dict[str, float] = {}
+        self.failures = 0  # loads / stores that raised (logged, counted, turned into misses)
+        if role == KVConnectorRole.SCHEDULER:
+            paths = [
+                socket_path(self._socket_dir, self._instance_id, rank)
+                for rank in range(self._world_size)
+            ]
+            self._client = LookupClient(paths, wait_s=self.options.lookup_wait_ms / 1000)
+            if self._is_consumer and transfer.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "TieredKVConnector: kv_load_failure_policy=%r fails a request whose cached "
+                    "KV could not be loaded; 'recompute' recomputes it instead",
+                    transfer.kv_load_failure_policy,
+                )
+        else:
+            self._host = EngineHost(self.engine_config)
+
+    # ======================================================================================
+    # worker side
+    # ======================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        host = self._require_host()
+        first = next(iter(kv_caches.values()))
+        hints = self.options.layout_hints
+        if hints is None:
+            if first.device.type == "cpu":
+                hints = {"format": "blocks", "block_size": self._block_size}
+            else:
+                hints = {"block_size": self._block_size}
+                memory_order = _head_position_order(self._vllm_config)
+                if memory_order is not None:
+                    hints["kv_layout"] = memory_order
+        rank = _tensor_parallel_rank()
+        host.register_kv_caches(
+            kv_caches,
+            model_name=self._model_name,
+            world_size=self._world_size,
+            worker_id=rank,
+            layout_hints=hints,
+        )
+        host.serve_lookups(socket_path(self._socket_dir, self._instance_id, rank))
+        logger.info(
+            "TieredKVConnector: %d layers registered (%s, strides %s, hints %s), rank %d/%d",
+            len(kv_caches),
+            tuple(first.shape),
+            first.stride(),
+            hints,
+            rank,
+            self._world_size,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._metadata()
+        host = self._require_host()
+        for spec in meta.loads:
+            end = len(spec.token_ids)
+            try:
+                valid = host.load(
+                    spec.token_ids, spec.block_ids, skip_prefix_tokens=spec.skip_prefix_tokens
+                ).valid_tokens
+            except Exception:  # the boundary with vLLM: a failed load is recomputed
+                self.failures += 1
+                logger.warning(
+                    "TieredKVConnector: load of %s failed", spec.request_id, exc_info=True
+                )
+                valid = spec.skip_prefix_tokens
+            if valid < end:
+                first_bad = valid // self._block_size
+                self._load_errors.update(spec.block_ids[first_bad : -(-end // self._block_size)])
+                logger.warning(
+                    "TieredKVConnector: %s: %d of %d claimed tokens not loaded; vLLM "
+                    "recomputes blocks from %d",
+                    spec.request_id,
+                    end - valid,
+                    end - spec.skip_prefix_tokens,
+                    first_bad,
+                )
+        released = [spec.request_id for spec in meta.loads] + meta.release
+        if released:
+            host.release(released)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (layerwise loading is the next issue)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # stores run whole in wait_for_save, after every layer has landed
+
+    def wait_for_save(self) -> None:
+        meta = self._metadata()
+        if not meta.stores:
+            return
+        host = self._require_host()
+        for spec in meta.stores:
+            try:
+                host.store(spec.token_ids, spec.block_ids)
+            except Exception:  # a failed store is a future miss, never a failed request
+                self.failures += 1
+                logger.warning(
+                    "TieredKVConnector: store of %s failed", spec.request_id, exc_info=True
+                )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if finished_req_ids and self._host is not None:
+            self._host.release(finished_req_ids)
+        return None, None  # loads and stores are synchronous: nothing is ever in flight
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._host is None:
+            return None
+        stats = self._host.stats()
+        data: dict[str, float] = {}
+        for section, key in _STATS_KEYS:
+            value = stats.get(section, {}).get(key)
+            if value is None:
+                continue
+            name = f"{section}_{key}" if section != "host" else key
+            data[name] = value - self._stats_last.get(name, 0)
+            self._stats_last[name] = value
+        stats_obj = TieredKVConnectorStats(data=data)
+        return None if stats_obj.is_empty() else stats_obj
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return TieredKVConnectorStats(data=dict(data or {}))
+
+    def engine_stats(self) -> dict[str, dict[str, int | float]]:
+        """The worker's engine stats plus the host's counters (worker role only)."""
+        return self._require_host().stats()
+
+    def engine_metrics_text(self) -> str:
+        """The worker's ``engine.metrics_text()`` (Prometheus text; worker role only)."""
+        return self._require_host().metrics_text()
+
+    def shutdown(self) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            host.close()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # ======================================================================================
+    # scheduler side
+    # ======================================================================================
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self._is_consumer or self._client is None or not _cacheable(request):
+            return 0, False
+        block = self._block_size
+        # Whole blocks only, and at least one token left for vLLM to compute.
+        limit = (request.num_tokens - 1) // block * block
+        if limit <= num_computed_tokens:
+            return 0, False
+        state = self._state(request)
+        ready = self._client.lookup(request.request_id, request.all_token_ids[:limit])
+        if ready is None:
+            return None, False  # loads in flight: vLLM asks again next step
+        hit = min(ready, limit) // block * block
+        state.local_tokens = num_computed_tokens
+        if hit <= num_computed_tokens:
+            return 0, False
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._state(request)
+        if num_external_tokens > 0:
+            state.load_end = state.local_tokens + num_external_tokens
+            state.load_pending = True
+        elif self._is_consumer:
+            self._release.append(request.request_id)  # its lookup's prefetch is not needed
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TieredKVMetadata(release=self._release)
+        self._release = []
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        resolve: Callable[[str], Any]
+        if block_state is not None:
+            resolve = block_state.resolve_block_ids
+        elif self._kv_cache_manager is not None:
+            resolve = self._kv_cache_manager.get_block_ids
+        else:  # pragma: no cover - vLLM 0.32 always binds the cache manager
+            raise RuntimeError("TieredKVConnector: no way to resolve block ids")
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._plan(meta, new.req_id, new.num_computed_tokens, scheduled[new.req_id], resolve)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            self._plan(meta, req_id, cached.num_computed_tokens[index], scheduled[req_id], resolve)
+        return meta
+
+    def _plan(
+        self,
+        meta: TieredKVMetadata,
+        request_id: str,
+        num_computed: int,
+        num_scheduled: int,
+        resolve: Callable[[str], Any],
+    ) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        block = self._block_size
+        block_ids: list[int] | None = None
+        if state.load_pending:
+            state.load_pending = False
+            block_ids = list(resolve(request_id)[0])
+            end = state.load_end
+            meta.loads.append(
+                LoadSpec(
+                    request_id,
+                    list(state.request.all_token_ids[:end]),
+                    block_ids[: -(-end // block)],
+                    state.local_tokens,
+                )
+            )
+        if not self._is_producer or not _cacheable(state.request):
+            return
+        prompt_len = state.request.num_prompt_tokens
+        computed_after = min(num_computed + num_scheduled, prompt_len)
+        if computed_after >= prompt_len:
+            target = prompt_len // block * block  # the whole prompt, whole blocks
+        else:  # chunked prefill: whole chunks only, so no partial chunk is stored twice
+            chunk = self.engine_config.chunk_size
+            target = computed_after // chunk * chunk // block * block
+        if target <= state.stored_end:
+            return
+        if block_ids is None:
+            block_ids = list(resolve(request_id)[0])
+        meta.stores.append(
+            StoreSpec(
+                request_id,
+                list(state.request.all_token_ids[:target]),
+                block_ids[: -(-target // block)],
+            )
+        )
+        state.stored_end = target
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        if self._client is not None:
+            self._client.forget(request.request_id)
+        if self._is_consumer:
+            self._release.append(request.request_id)
+        return False, None  # stores are copied out before wait_for_save returns
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        return
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def _metadata(self) -> TieredKVMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredKVMetadata):
+            raise TypeError(f"TieredKVConnector: unexpected metadata {type(meta).__name__}")
+        return meta
+
+    def _require_host(self) -> EngineHost:
+        if self._host is None:
+            raise RuntimeError("TieredKVConnector: no engine on this side (scheduler role?)")
+        return self._host
+
+
+def _cacheable(request: Request) -> bool:
+    """Requests whose KV is a function of their token ids alone. A cache salt, a LoRA adapter,
+    multimodal inputs or prompt embeddings change the KV of the same tokens, and chunk keys
+    cannot say so yet: such requests neither load nor store."""
+    return not (
+        getattr(request, "cache_salt", None)
+        or getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    )
+
+
+def _head_position_order(vllm_config: VllmConfig) -> str | None:
+    """Return "HND" or "NHD": whether heads or positions come first in memory in vLLM's resolved KV
+    cache layout (0.32 names layouts by the memory order of [L, B, H, N, C]); None if unknown.
+    Untested on GPUs so far: pass ``layout_hints`` to override."""
+    try:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        name = str(layout.name)
+    except Exception:  # not resolved yet, or an older vLLM
+        return None
+    if name.find("H") < 0 or name.find("N") < 0:
+        return None
+    return "HND" if name.find("H") < name.find("N") else "NHD"
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError):  # no TP group (single worker)
+        return 0
+
+
+__all__ = [
+    "ConnectorOptions",
+    "LoadSpec",
+    "StoreSpec",
+    "TieredKVConnector",
+    "TieredKVConnectorStats",
+    "TieredKVMetadata",
+    "parse_extra_config",
+]
