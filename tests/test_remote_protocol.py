@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 
 import pytest
 import xxhash
@@ -206,3 +207,121 @@ def test_error_meta_round_trip() -> None:
 def test_limits_validate() -> None:
     with pytest.raises(ProtocolError, match="max_keys"):
         ProtocolLimits(max_keys=0)
+
+
+def test_meta_buffer_grows_only_as_bytes_arrive_and_shrinks_after() -> None:
+    changes: list[int] = []
+    collector = Collector()
+    reader = FrameReader(collector, ProtocolLimits(), on_buffer_change=changes.append)
+    initial = sum(changes)
+    assert 0 < initial <= 64 << 10
+    meta = os.urandom(4 << 20)  # the largest meta the default limits allow
+    stream = pack_frame_header(Op.PING, 0, 1, len(meta)) + meta
+    feed(reader, stream[:HEADER_LEN], [])
+    assert sum(changes) == initial, "a header alone must not grow the buffer"
+    sent = HEADER_LEN
+    while sent < len(stream):
+        step = min(300_000, len(stream) - sent)
+        feed(reader, stream[sent : sent + step], [])
+        sent += step
+        if sent < len(stream):
+            assert sum(changes) <= max(initial, 2 * sent), f"{sum(changes)} held for {sent} sent"
+    assert collector.frames[0][1] == meta
+    assert sum(changes) == initial, "the buffer shrinks back once the big meta is parsed"
+    reader.close()
+    assert sum(changes) == 0
+    assert reader.stopped
+
+
+def test_header_check_refuses_a_frame_before_its_meta_is_buffered() -> None:
+    changes: list[int] = []
+
+    def auth_only(header: FrameHeader) -> None:
+        if header.op != Op.AUTH:
+            raise FrameError(ErrorCode.AUTH_REQUIRED, "AUTH first", header.request_id)
+
+    collector = Collector()
+    reader = FrameReader(collector, LIMITS, check_header=auth_only, on_buffer_change=changes.append)
+    initial = sum(changes)
+    feed(reader, pack_frame_header(Op.AUTH, 0, 1, 3) + b"tok", [])
+    with pytest.raises(FrameError) as info:
+        feed(reader, pack_frame_header(Op.EXISTS, 0, 2, LIMITS.max_meta_bytes), [])
+    assert info.value.code == ErrorCode.AUTH_REQUIRED
+    assert info.value.request_id == 2
+    assert reader.stopped
+    assert [header.op for header, _, _ in collector.frames] == [Op.AUTH]
+    assert sum(changes) == initial
+
+
+class GrowingSink:
+    """A sink whose one buffer grows in place (as the server's PUT buffers do) when full."""
+
+    def __init__(self, total: int) -> None:
+        self.buffer = bytearray()
+        self.total = total
+        self.filled = 0
+
+    def target(self) -> memoryview:
+        if self.filled == len(self.buffer):
+            self.buffer += bytes(min(self.total, max(16, 2 * len(self.buffer))) - self.filled)
+        return memoryview(self.buffer)[self.filled :]
+
+    def advance(self, nbytes: int) -> None:
+        self.filled += nbytes
+
+
+def test_data_that_arrives_with_its_header_can_go_to_a_sink_that_grows() -> None:
+    data = os.urandom(5000)
+    sinks: list[GrowingSink] = []
+
+    class Handler:
+        def frame_started(self, header: FrameHeader, meta: bytes) -> DataSink | None:
+            sinks.append(GrowingSink(header.data_len))
+            return sinks[-1]
+
+        def frame_done(self, header: FrameHeader, meta: bytes, sink: DataSink | None) -> None:
+            pass
+
+    stream = pack_frame_header(Op.PUT, 0, 1, 1, len(data)) + b"k" + data
+    # One piece: the whole frame sits in the scratch buffer and is copied into the sink.
+    feed(FrameReader(Handler(), LIMITS), stream, [len(stream)])
+    assert bytes(sinks[0].buffer) == data
+
+
+def test_reader_header_pending_tracks_an_incomplete_header_or_meta() -> None:
+    reader = FrameReader(Collector(), LIMITS)
+    assert not reader.header_pending
+    stream = pack_frame_header(Op.PING, 0, 1, 100) + b"m" * 100
+    feed(reader, stream[:10], [])
+    assert reader.header_pending
+    feed(reader, stream[10:60], [])
+    assert reader.header_pending
+    feed(reader, stream[60:], [])
+    assert not reader.header_pending
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    meta_sizes=st.lists(st.integers(0, 200_000), min_size=1, max_size=12),
+    cut_seed=st.integers(0, 2**32 - 1),
+)
+def test_frames_with_big_metas_survive_any_split_and_the_buffer_shrinks_back(
+    meta_sizes: list[int], cut_seed: int
+) -> None:
+    # Metas larger than the initial buffer and many small frames: the buffer compacts, grows
+    # and shrinks under every split.
+    rng = random.Random(cut_seed)
+    frames = [(Op.PING, index, rng.randbytes(size)) for index, size in enumerate(meta_sizes)]
+    frames += [(Op.EXISTS, 100 + index, b"k" * 30) for index in range(3000)]
+    rng.shuffle(frames)
+    stream = b"".join(pack_frame_header(op, 0, rid, len(meta)) + meta for op, rid, meta in frames)
+    cuts = [rng.choice((1, 23, 4096, 70_000, 300_000)) for _ in range(len(stream) // 1000)]
+    changes: list[int] = []
+    collector = Collector()
+    reader = FrameReader(
+        collector, ProtocolLimits(max_meta_bytes=300_000), on_buffer_change=changes.append
+    )
+    initial = sum(changes)
+    feed(reader, stream, cuts)
+    assert [(h.op, h.request_id, meta) for h, meta, _ in collector.frames] == frames
+    assert sum(changes) == initial

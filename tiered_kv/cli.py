@@ -341,6 +341,10 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             capacity=parse_size(args.capacity, name="capacity"),
             token=token,
+            max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout or None,
+            idle_timeout_s=args.idle_timeout or None,
+            max_auth_bytes=args.max_auth_bytes,
         )
     except ConfigError as exc:
         print(f"tiered-kv serve: {exc}", file=sys.stderr)
@@ -377,6 +381,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=7474, help="0 picks a free port")
     serve.add_argument("--capacity", default="64GiB", help="bytes of chunks kept (LRU beyond)")
     serve.add_argument("--token-file", default=None, help="shared token clients must present")
+    from tiered_kv.tiers.remote.server import ServerOptions
+
+    defaults = ServerOptions()  # the defaults live there
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help="connections served at once, more are refused; keep below `ulimit -n` "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout_s,
+        metavar="SECONDS",
+        help="bound on a request's header and meta, and on AUTH after connecting; 0: none "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_s,
+        metavar="SECONDS",
+        help="close a connection that neither sends nor takes a byte for this long; 0: never "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-auth-bytes",
+        type=int,
+        default=defaults.max_auth_bytes,
+        help="largest AUTH read before a connection has authenticated (default: %(default)s)",
+    )
     return parser
 
 

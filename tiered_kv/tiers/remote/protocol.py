@@ -13,9 +13,10 @@ Frame, little-endian, the same for requests and responses::
 
 A request carries ``status == 0``; its response echoes ``op`` and ``request_id``. Requests on
 one connection are answered in order, so a client may pipeline as many as it likes. Both lengths
-are checked against `ProtocolLimits` as soon as the fixed header has arrived, before anything is
-allocated; a frame over a limit, with a bad magic or another version is answered with an ERROR
-frame (request id 0 when the id itself cannot be trusted) and the connection is closed.
+are checked against `ProtocolLimits` as soon as the fixed header has arrived, and buffers then
+grow only as bytes arrive, never on a claimed length alone; a frame over a limit, with a bad
+magic or another version is answered with an ERROR frame (request id 0 when the id itself cannot
+be trusted) and the connection is closed.
 
 Operations (meta / data of the request → of an OK response):
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tiered_kv.errors import ProtocolError, RemoteError
@@ -76,6 +77,8 @@ class ErrorCode(enum.IntEnum):
     AUTH_FAILED = 7
     NO_SPACE = 8
     SHUTTING_DOWN = 9
+    BUSY = 10  # the server has as many connections as it takes
+    TIMEOUT = 11  # a request's header or AUTH came too slowly, or the connection sat idle
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -250,7 +253,11 @@ class DataSink(Protocol):
     """Where a frame's data goes: consecutive buffers, filled in order."""
 
     def target(self) -> memoryview:
-        """The (non-empty) buffer the next bytes go to; only called while data is still due."""
+        """The (non-empty) buffer the next bytes go to; only called while data is still due.
+
+        Neither the reader nor the transport holds a view from an earlier call by then, so an
+        implementation may resize its buffer here.
+        """
 
     def advance(self, nbytes: int) -> None:
         """``nbytes`` were written at the start of the last `target`."""
@@ -312,11 +319,17 @@ class BufferSink:
 def sink_write(sink: DataSink, data: memoryview) -> None:
     """Copy ``data`` into ``sink`` (bytes that arrived together with a frame's header)."""
     while data:
-        target = sink.target()
-        count = min(len(target), len(data))
-        target[:count] = data[:count]
+        count = _copy_into(sink.target(), data)
         sink.advance(count)
         data = data[count:]
+
+
+def _copy_into(target: memoryview, data: memoryview) -> int:
+    # A function of its own so that the target view is gone before `sink_write` asks for the
+    # next one: a sink may grow its buffer in `DataSink.target`.
+    count = min(len(target), len(data))
+    target[:count] = data[:count]
+    return count
 
 
 class FrameHandler(Protocol):
@@ -333,29 +346,67 @@ class FrameHandler(Protocol):
 class FrameReader:
     """Turns `BufferedProtocol` callbacks into frames for a `FrameHandler`.
 
-    Small frames are parsed from a scratch buffer that grows (up to the meta limit, checked
-    first) only as a frame's header and meta need; a frame's data beyond what arrived with its
-    header is received straight into the handler's sink (``recv_into`` its buffers), so payloads
-    are never copied by Python. Any `FrameError` propagates out of `buffer_updated` and leaves
-    the reader stopped: the connection must be closed.
+    Headers and metas are parsed from a scratch buffer that grows only as bytes arrive: when an
+    incomplete header and meta fill it, it at most doubles, never past that frame's
+    ``HEADER_LEN + meta_len`` (checked against the limits first), and it shrinks back once the
+    frame is parsed. A header claiming a big meta therefore costs nothing until the meta comes.
+    A frame's data beyond what arrived with its header is received straight into the handler's
+    sink (``recv_into`` its buffers), so payloads are never copied by Python.
+
+    check_header: called once per frame with its fixed header, before any of its meta is kept;
+        may raise `FrameError` (a server refuses there what an unauthenticated peer may not send).
+    on_buffer_change: called with the change in bytes of the scratch buffer whenever it is
+        allocated, grown, shrunk or given back, for the owner's accounting.
+
+    Any `FrameError` propagates out of `buffer_updated` and leaves the reader stopped: the
+    connection must be closed. `close` gives the buffer back once the connection is gone.
     """
 
-    __slots__ = ("_handler", "_limits", "_scratch", "_view", "_start", "_end", "_frame", "stopped")
+    __slots__ = (
+        "_handler",
+        "_limits",
+        "_check_header",
+        "_on_buffer_change",
+        "_scratch",
+        "_view",
+        "_start",
+        "_end",
+        "_header",
+        "_frame",
+        "stopped",
+    )
 
-    def __init__(self, handler: FrameHandler, limits: ProtocolLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        handler: FrameHandler,
+        limits: ProtocolLimits = DEFAULT_LIMITS,
+        *,
+        check_header: Callable[[FrameHeader], None] | None = None,
+        on_buffer_change: Callable[[int], None] | None = None,
+    ) -> None:
         self._handler = handler
         self._limits = limits
-        self._scratch = bytearray(_INITIAL_SCRATCH)
+        self._check_header = check_header
+        self._on_buffer_change = on_buffer_change
+        self._scratch = bytearray()
         self._view = memoryview(self._scratch)
         self._start = 0
         self._end = 0
+        # The checked header of the frame whose meta is still arriving.
+        self._header: FrameHeader | None = None
         # (header, meta, sink or None, data bytes still due) while a frame's data is streaming.
         self._frame: tuple[FrameHeader, bytes, DataSink | None, int] | None = None
         self.stopped = False
+        self._resize(_INITIAL_SCRATCH)
 
     @property
     def receiving_data(self) -> bool:
         return self._frame is not None
+
+    @property
+    def header_pending(self) -> bool:
+        """Part of a frame's header or meta arrived, not all of it."""
+        return self._frame is None and self._end > self._start
 
     def discard_current(self) -> None:
         """Send the rest of the current frame's data to scratch instead of its sink."""
@@ -370,8 +421,7 @@ class FrameReader:
             if sink is not None:
                 return sink.target()
             return self._view[: min(len(self._view), due)]
-        if self._end == len(self._scratch):
-            self._compact()
+        # `_parse` always leaves room at the end (until `close`).
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -396,20 +446,49 @@ class FrameReader:
             self.stopped = True
             raise
 
-    def _compact(self) -> None:
-        if self._start:
-            pending = self._end - self._start
+    def close(self) -> None:
+        """Stop and give the scratch buffer back; nothing may be fed after this."""
+        self.stopped = True
+        self._frame = None
+        self._header = None
+        self._start = self._end = 0
+        self._resize(0)
+
+    def _resize(self, size: int) -> None:
+        """Move the unparsed bytes to the start of a fresh scratch buffer of ``size`` bytes.
+
+        A fresh buffer, not a resize in place: the transport may still hold a view of the old
+        one while `buffer_updated` runs.
+        """
+        pending = self._end - self._start
+        fresh = bytearray(size)
+        fresh[:pending] = self._view[self._start : self._end]
+        change = size - len(self._scratch)
+        self._scratch = fresh
+        self._view = memoryview(fresh)
+        self._start, self._end = 0, pending
+        if change and self._on_buffer_change is not None:
+            self._on_buffer_change(change)
+
+    def _make_room(self) -> None:
+        """Leave free room at the end of the scratch buffer for the next bytes."""
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._scratch) > _INITIAL_SCRATCH:
+                self._resize(_INITIAL_SCRATCH)  # give back what a big meta needed
+            return
+        if self._end < len(self._scratch) or self.stopped:
+            return
+        # An incomplete meta fills the buffer (never smaller than a header: that one is decoded).
+        header = self._header
+        needed = HEADER_LEN if header is None else HEADER_LEN + header.meta_len
+        pending = self._end - self._start
+        if needed <= len(self._scratch):
             self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
-
-    def _grow(self, needed: int) -> None:
-        self._compact()
-        if needed > len(self._scratch):
-            # ``needed`` is bounded by HEADER_LEN + max_meta_bytes, checked by the caller.
-            grown = bytearray(needed)
-            grown[: self._end] = self._view[: self._end]
-            self._scratch = grown
-            self._view = memoryview(grown)
+        else:
+            # At most twice what arrived of this frame: memory follows the bytes, not the claim.
+            self._resize(min(needed, max(2 * pending, len(self._scratch))))
 
     def _parse(self) -> None:
         view = self._view
@@ -417,13 +496,18 @@ class FrameReader:
             available = self._end - self._start
             if available < HEADER_LEN:
                 break
-            header = decode_frame_header(view[self._start : self._start + HEADER_LEN], self._limits)
+            header = self._header
+            if header is None:
+                header = decode_frame_header(
+                    view[self._start : self._start + HEADER_LEN], self._limits
+                )
+                if self._check_header is not None:
+                    self._check_header(header)
+                self._header = header
             needed = HEADER_LEN + header.meta_len
             if available < needed:
-                if needed > len(self._scratch) - self._start:
-                    self._grow(needed)
-                    view = self._view
                 break
+            self._header = None
             meta = bytes(view[self._start + HEADER_LEN : self._start + needed])
             self._start += needed
             sink = self._handler.frame_started(header, meta)
@@ -435,5 +519,4 @@ class FrameReader:
                 self._handler.frame_done(header, meta, sink)
                 continue
             self._frame = (header, meta, sink, header.data_len - here)
-        if self._start == self._end:
-            self._start = self._end = 0
+        self._make_room()
