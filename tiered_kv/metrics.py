@@ -85,11 +85,11 @@ def transfer_paths(stats: Stats) -> dict[str, tuple[float, float]]:
     for name in _lower_tier_names(storage):
         paths[f"l1_to_{name}"] = (
             float(storage.get(f"{name}_write_bytes", 0)),
-            float(storage.get(f"{name}_write_seconds", 0)),
+            float(storage.get(f"{name}_write_busy_seconds", 0)),
         )
         paths[f"{name}_to_l1"] = (
             float(storage.get(f"{name}_read_bytes", 0)),
-            float(storage.get(f"{name}_read_seconds", 0)),
+            float(storage.get(f"{name}_read_busy_seconds", 0)),
         )
     return paths
 

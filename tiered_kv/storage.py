@@ -38,6 +38,28 @@ SELECTIVE_TRACKED_KEYS = 1 << 16  # hit counters kept for "selective" admission 
 WRITE_THROUGH, WRITE_BACK, SELECTIVE = WRITE_POLICIES
 
 
+class BusyClock:
+    """Seconds during which at least one operation of a path was running: the denominator of
+    a path's throughput (summing per-operation latencies would count overlapping writes twice)."""
+
+    __slots__ = ("_active", "_since", "seconds")
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = 0.0
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def stop(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.seconds += time.perf_counter() - self._since
+
+
 @dataclasses.dataclass(slots=True)
 class _WriteQueue:
     tier: LowerTier
@@ -54,7 +76,8 @@ class _WriteQueue:
     demotions_refused: int = 0
     admitted: int = 0
     bytes_written: int = 0
-    write_seconds: float = 0.0
+    write_seconds: float = 0.0  # sum of per-write latencies
+    busy: BusyClock = dataclasses.field(default_factory=BusyClock)
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,7 +86,8 @@ class _TierReads:
     located: int = 0
     failures: int = 0
     bytes_read: int = 0
-    read_seconds: float = 0.0
+    read_seconds: float = 0.0  # sum of per-read latencies
+    busy: BusyClock = dataclasses.field(default_factory=BusyClock)
 
 
 class StorageManager:
@@ -280,7 +304,12 @@ class StorageManager:
                     wq.skipped_present += 1
                     continue
                 start = time.perf_counter()
-                if await wq.tier.put(key, obj):
+                wq.busy.start()
+                try:
+                    stored = await wq.tier.put(key, obj)
+                finally:
+                    wq.busy.stop()
+                if stored:
                     wq.written += 1
                     wq.bytes_written += obj.nbytes
                     wq.write_seconds += time.perf_counter() - start
@@ -362,6 +391,7 @@ class StorageManager:
         tier = self.lower[tier_index]
         reads = self.reads[tier_index]
         start = time.perf_counter()
+        reads.busy.start()
         try:
             found = await tier.get_into(key, obj)
         except asyncio.CancelledError:
@@ -369,6 +399,8 @@ class StorageManager:
         except Exception:  # tier boundary
             logger.warning("%s read of %s failed", tier.name, key.hex, exc_info=True)
             found = False
+        finally:
+            reads.busy.stop()
         elapsed = time.perf_counter() - start
         self.lower_read_seconds += elapsed
         if not found:
@@ -504,6 +536,7 @@ class StorageManager:
             out[f"{prefix}_failures"] = reads.failures
             out[f"{prefix}_bytes"] = reads.bytes_read
             out[f"{prefix}_seconds"] = reads.read_seconds
+            out[f"{prefix}_busy_seconds"] = reads.busy.seconds
         for wq in self._queues:
             prefix = f"{wq.tier.name.lower()}_write"
             out[f"{prefix}_queue_depth"] = wq.queue.qsize()
@@ -519,4 +552,5 @@ class StorageManager:
             out[f"{prefix}_admitted"] = wq.admitted
             out[f"{prefix}_bytes"] = wq.bytes_written
             out[f"{prefix}_seconds"] = wq.write_seconds
+            out[f"{prefix}_busy_seconds"] = wq.busy.seconds
         return out
