@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
+
+from tiered_kv.cli import Progress
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -51,3 +54,29 @@ def test_inspect_reports_corrupt_files_and_missing_directory(tmp_path: Path) -> 
     missing = _run("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2
     assert "not a directory" in missing.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_live_bar_on_a_terminal_and_plain_lines_otherwise() -> None:
+    terminal = _Terminal()
+    bar = Progress(8, "demo", stream=terminal)
+    for turn in range(8):
+        bar.advance(f"turn {turn}")
+    shown = terminal.getvalue()
+    assert "\r" in shown and "100%" in shown and "8/8" in shown and "turn 7" in shown
+    log = io.StringIO()
+    lines = Progress(8, "demo", stream=log)
+    for turn in range(8):
+        lines.advance(f"turn {turn}")
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().splitlines() == [
+        "demo: 1/8 turn 0",
+        "demo: 2/8 turn 1",
+        "demo: 4/8 turn 3",
+        "demo: 6/8 turn 5",
+        "demo: 8/8 turn 7",
+    ]

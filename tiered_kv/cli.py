@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -21,28 +21,31 @@ from tiered_kv.keys import ChunkKey
 
 
 class Progress:
-    """A one-line progress bar on a terminal; a few plain lines otherwise."""
+    """A live progress bar (tqdm) on a terminal; a few plain lines otherwise (CI logs)."""
 
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr, width: int = 30):
+    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
         self.total = max(total, 1)
         self.label = label
         self.stream = stream
-        self.width = width
         self.done = 0
-        self._tty = stream.isatty()
         self._last_quarter = -1
+        self._bar: Any = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=label, file=stream, leave=True, unit="step")
 
     def advance(self, note: str = "") -> None:
         self.done += 1
-        fraction = self.done / self.total
-        if self._tty:
-            filled = int(self.width * fraction)
-            bar = "#" * filled + "-" * (self.width - filled)
-            end = "\n" if self.done >= self.total else ""
-            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {note:<30}{end}")
-            self.stream.flush()
-        elif int(fraction * 4) > self._last_quarter:
-            self._last_quarter = int(fraction * 4)
+        if self._bar is not None:
+            self._bar.set_postfix_str(note, refresh=False)
+            self._bar.update(1)
+            if self.done >= self.total:
+                self._bar.close()
+            return
+        quarter = int(4 * self.done / self.total)
+        if quarter > self._last_quarter:
+            self._last_quarter = quarter
             self.stream.write(f"{self.label}: {self.done}/{self.total} {note}\n")
             self.stream.flush()
 
