@@ -12,22 +12,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from tiered_kv.config import EngineConfig
-from tiered_kv.engine import RetrieveResult, TieredKVEngine, new_event_loop
-from tiered_kv.errors import EngineStateError
+from tiered_kv.engine import RetrieveResult, SyncTieredKVEngine
 from tiered_kv.integrations.lookup_channel import LookupServer
+from tiered_kv.keys import TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -54,38 +51,21 @@ class HostCounters:
     prefetches_abandoned: int = 0
 
 
-class EngineHost:
-    """One engine on its own loop thread. ``close()`` (or ``with``) ends both.
+class EngineHost(SyncTieredKVEngine):
+    """The blocking engine facade (its own loop thread), plus what a serving stack's worker
+    needs: lookups answered on the loop for a scheduler elsewhere, per-request prefetches, and
+    counters. ``close()`` (or ``with``) ends all of it.
 
     Thread-safety: the blocking methods may be called from any thread but the loop's; the
     lookup path runs on the loop. Prefetch handles never leave the loop.
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.counters = HostCounters()
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="tiered-kv-host", daemon=True
-        )
-        self._thread.start()
-        self._engine = TieredKVEngine(config)
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._server: LookupServer | None = None
         self._model_name: str | None = None
-        self._closed = False
-        try:
-            self._call(self._engine.open())
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    # -- blocking API (worker threads) ------------------------------------------------------
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise EngineStateError("EngineHost is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        super().__init__(config)
 
     def register_kv_caches(
         self,
@@ -96,24 +76,21 @@ class EngineHost:
         worker_id: int = 0,
         layout_hints: Mapping[str, Any] | None = None,
     ) -> MemoryLayoutDesc:
-        async def register() -> MemoryLayoutDesc:
-            desc = self._engine.register_kv_caches(
-                kv_caches,
-                model_name=model_name,
-                world_size=world_size,
-                worker_id=worker_id,
-                layout_hints=layout_hints,
-            )
-            self._model_name = model_name
-            return desc
-
-        return self._call(register())
+        desc = super().register_kv_caches(
+            kv_caches,
+            model_name=model_name,
+            world_size=world_size,
+            worker_id=worker_id,
+            layout_hints=layout_hints,
+        )
+        self._model_name = model_name
+        return desc
 
     def serve_lookups(self, path: str) -> None:
         """Answer `lookup` on the Unix socket ``path`` (see `lookup_channel`)."""
 
         async def start() -> None:
-            server = LookupServer(path, self.lookup)
+            server = LookupServer(path, self.answer_lookup)
             await server.start()
             self._server = server
 
@@ -135,11 +112,13 @@ class EngineHost:
 
         return self._call(load())
 
-    def store(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> int:
+    def store(
+        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
+    ) -> int:
         """Copy the tokens' KV out of ``block_ids`` (done when this returns); new tokens stored."""
 
         async def store() -> int:
-            stored = await self._engine.store(token_ids, block_ids)
+            stored = await self._engine.store(token_ids, block_ids, model_name=model_name)
             self.counters.stores += 1
             self.counters.stored_tokens += stored
             return stored
@@ -169,52 +148,27 @@ class EngineHost:
 
         return self._call(stats())
 
-    def metrics_text(self) -> str:
-        async def text() -> str:
-            return self._engine.metrics_text()
-
-        return self._call(text())
-
-    def flush(self, timeout: float | None = None) -> int:
-        return self._call(self._engine.flush(timeout))
-
-    def evict_l1(self) -> int:
-        return self._call(self._engine.evict_l1())
-
     def close(self) -> None:
         """Stop serving lookups, free every prefetch, close the engine (flushing pending lower-
         tier writes, bounded by ``close_timeout_s``) and stop the loop thread. Idempotent."""
         if self._closed:
             return
 
-        async def close() -> None:
+        async def stop_serving() -> None:
             server, self._server = self._server, None
             if server is not None:
                 await server.aclose()
             for lookup in self._lookups.values():
                 lookup.handle.cancel()
             self._lookups.clear()
-            await self._engine.aclose()
 
         try:
-            self._call(close())
+            self._call(stop_serving())
         finally:
-            self._closed = True
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> EngineHost:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+            super().close()
 
     # -- on the loop ------------------------------------------------------------------------
-    async def lookup(self, request_id: str, token_ids: list[int]) -> int | None:
+    async def answer_lookup(self, request_id: str, token_ids: list[int]) -> int | None:
         """Tokens of ``token_ids``'s cached prefix now in host memory, or None ("ask again")
         while the loads the first lookup started are in flight, per ``prefetch_policy``:
         best_effort answers at once, wait_complete when every load ended, timeout when every
