@@ -7,6 +7,8 @@ import errno
 import io
 import logging
 import os
+import re
+import shutil
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,12 +25,13 @@ from tiered_kv.codec import (
     encode_chunk,
     encoded_header_len,
 )
-from tiered_kv.errors import EngineStateError, L2DirectoryInUseError
+from tiered_kv.errors import EngineStateError, L2DirectoryInUseError, TieredKVError
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.tiers import l2_disk
-from tiered_kv.tiers.l2_disk import DiskTier, chunk_specs, scan_directory
+from tiered_kv.tiers.l2_disk import DiskTier, FileOps, chunk_specs, scan_directory
+from tiered_kv.tiers.testing import FullDiskFileOps
 
 CHUNK = 16
 LAYOUT = MemoryLayoutDesc(
@@ -202,7 +205,6 @@ async def test_payload_is_page_aligned_in_the_file(
 
 @pytest.mark.parametrize("slice_bytes", [1, 100, 2048, 4096])
 async def test_sliced_reads_and_payload_first_writes_are_bit_exact(
-    tier: DiskTier,
     arena: HostArena,
     root: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -210,14 +212,15 @@ async def test_sliced_reads_and_payload_first_writes_are_bit_exact(
 ) -> None:
     """Read slices that split groups anywhere still verify the whole payload's checksum."""
     monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", slice_bytes)
-    real_write = l2_disk._write_all_at
     offsets: list[tuple[int, int]] = []
 
-    def recording_write(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
-        offsets.append((offset, len(data)))
-        real_write(file, data, offset)
+    class RecordingWrites(FileOps):
+        def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+            offsets.append((offset, len(data)))
+            return super().pwrite(fd, data, offset)
 
-    monkeypatch.setattr(l2_disk, "_write_all_at", recording_write)
+    tier = DiskTier(root, BIG, file_ops=RecordingWrites())
+    await tier.open()
     key = make_keys(1)[0]
     source, target = make_obj(arena, 5, seed=3), poisoned_obj(arena, 5)
     try:
@@ -237,6 +240,7 @@ async def test_sliced_reads_and_payload_first_writes_are_bit_exact(
     finally:
         source.unref()
         target.unref()
+        await tier.aclose()
 
 
 async def test_put_beyond_the_codec_limits_fails_without_a_file(
@@ -581,26 +585,26 @@ async def test_use_outside_open_raises(root: Path, arena: HostArena) -> None:
 # -- faults and cancellation --------------------------------------------------------------------
 @pytest.mark.parametrize("failing_call", [1, 3, 4])
 async def test_put_failure_leaves_nothing(
-    tier: DiskTier,
     arena: HostArena,
     root: Path,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     failing_call: int,
 ) -> None:
-    real_write = l2_disk._write_all_at
-    calls = 0
+    class FailingWrites(FileOps):
+        calls = 0
+        failing = True
 
-    def failing_write(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
-        nonlocal calls
-        calls += 1
-        # Calls 1-3 write the three groups, call 4 the header; the disk fills up in the middle.
-        if calls == failing_call:
-            real_write(file, memoryview(data)[:100], offset)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(file, data, offset)
+        def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+            self.calls += 1
+            # Calls 1-3 write the three groups, call 4 the header; the disk fills up in the middle.
+            if self.failing and self.calls == failing_call:
+                os.pwrite(fd, data[:100], offset)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().pwrite(fd, data, offset)
 
-    monkeypatch.setattr(l2_disk, "_write_all_at", failing_write)
+    file_ops = FailingWrites()
+    tier = DiskTier(root, BIG, file_ops=file_ops)
+    await tier.open()
     key = make_keys(1)[0]
     obj = make_obj(arena)
     try:
@@ -614,28 +618,31 @@ async def test_put_failure_leaves_nothing(
         failure = [r for r in caplog.records if r.exc_info]
         assert failure and failure[0].exc_info and failure[0].exc_info[0] is OSError
 
-        monkeypatch.setattr(l2_disk, "_write_all_at", real_write)
+        file_ops.failing = False
         assert await tier.put(key, obj)
     finally:
         obj.unref()
+        await tier.aclose()
 
 
-async def test_put_cancelled_mid_write_leaves_nothing(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_write = l2_disk._write_all_at
+async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Path) -> None:
     started, release = threading.Event(), threading.Event()
-    calls = 0
 
-    def slow_write(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
-        nonlocal calls
-        calls += 1
-        real_write(file, data, offset)
-        if calls == 2:
-            started.set()
-            release.wait(10)
+    class SlowWrites(FileOps):
+        calls = 0
+        slow = True
 
-    monkeypatch.setattr(l2_disk, "_write_all_at", slow_write)
+        def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+            self.calls += 1
+            written = super().pwrite(fd, data, offset)
+            if self.slow and self.calls == 2:
+                started.set()
+                release.wait(10)
+            return written
+
+    file_ops = SlowWrites()
+    tier = DiskTier(root, BIG, file_ops=file_ops)
+    await tier.open()
     key = make_keys(1)[0]
     obj = make_obj(arena)
     try:
@@ -648,16 +655,17 @@ async def test_put_cancelled_mid_write_leaves_nothing(
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert calls == 2  # stopped at the next step
+        assert file_ops.calls == 2  # stopped at the next step
         assert files_under(root) == []
         assert not tier.contains(key)
         assert tier.stats()["bytes_reserved"] == 0
         assert tier.stats()["put_failures"] == 0
 
-        monkeypatch.setattr(l2_disk, "_write_all_at", real_write)
+        file_ops.slow = False
         assert await tier.put(key, obj)
     finally:
         obj.unref()
+        await tier.aclose()
 
 
 async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
@@ -799,6 +807,254 @@ async def test_read_error_is_a_miss_and_keeps_the_file(
     finally:
         source.unref()
         target.unref()
+
+
+# -- a full disk, a removed directory (issue 11) -------------------------------------------------
+def temp_files(root: Path) -> list[str]:
+    return [name for name in files_under(root) if name.endswith(".tmp")]
+
+
+async def assert_every_entry_reads_back(
+    tier: DiskTier, arena: HostArena, seeds: dict[ChunkKey, int]
+) -> int:
+    """Every indexed chunk reads back bit-exact; returns how many were checked."""
+    target = poisoned_obj(arena)
+    try:
+        for key, _, _ in tier.entries():
+            expected = make_obj(arena, seed=seeds[key])
+            try:
+                target.raw().fill_(POISON)
+                assert await tier.get_into(key, target), key.hex
+                assert same_groups(expected, target), key.hex
+            finally:
+                expected.unref()
+    finally:
+        target.unref()
+    return len(tier.entries())
+
+
+@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+async def test_full_disk_evicts_and_writes_resume(
+    root: Path, arena: HostArena, error_number: int
+) -> None:
+    """The filesystem holds 10 chunks, far below ``capacity``: puts go on by evicting."""
+    keys = make_keys(30)
+    size = file_size(keys[0])
+    disk = FullDiskFileOps(root, 10 * size + size // 2, error_number=error_number)
+    tier = DiskTier(root, BIG, file_ops=disk)
+    await tier.open()
+    seeds = {key: index % 3 for index, key in enumerate(keys)}
+    objs = [make_obj(arena, seed=seed) for seed in range(3)]
+    try:
+        stored = [await tier.put(key, objs[seeds[key]]) for key in keys]
+        assert all(stored)
+        assert disk.failures >= 1  # the disk really was full
+        stats = tier.stats()
+        assert stats["no_space_errors"] >= 1
+        assert stats["put_failures"] == 0
+        assert stats["puts"] == 30
+        assert stats["evictions"] >= 20
+        assert stats["capacity"] == BIG
+        assert stats["bytes_used"] <= stats["effective_capacity"] <= 10 * size + size // 2
+        assert [k for k, _, _ in tier.entries()] == keys[-len(tier.entries()) :]
+        assert len(tier.entries()) >= 8
+        assert temp_files(root) == []
+        assert len(files_under(root)) == len(tier.entries())
+        assert await assert_every_entry_reads_back(tier, arena, seeds) == len(tier.entries())
+    finally:
+        for obj in objs:
+            obj.unref()
+        await tier.aclose()
+
+
+async def test_effective_capacity_comes_back_when_space_frees(root: Path, arena: HostArena) -> None:
+    keys = make_keys(40)
+    size = file_size(keys[0])
+    disk = FullDiskFileOps(root, 10 * size + size // 2)
+    tier = DiskTier(root, BIG, file_ops=disk)
+    await tier.open()
+    obj = make_obj(arena)
+    try:
+        for key in keys[:20]:
+            assert await tier.put(key, obj)
+        lowered = tier.stats()["effective_capacity"]
+        assert lowered <= 10 * size + size // 2
+        disk.limit_bytes = 40 * size  # another program freed space
+        for key in keys[20:]:
+            assert await tier.put(key, obj)
+        stats = tier.stats()
+        assert lowered < stats["effective_capacity"] <= 40 * size
+        assert stats["entries"] > 20
+        assert stats["put_failures"] == 0
+        disk.limit_bytes = 2 * BIG  # more than capacity: the full capacity is back
+        assert await tier.put(make_keys(1, salt=7)[0], obj)
+        assert tier.stats()["effective_capacity"] == BIG
+    finally:
+        obj.unref()
+        await tier.aclose()
+
+
+async def test_disk_full_of_other_files_refuses_without_writing_then_recovers(
+    root: Path, arena: HostArena
+) -> None:
+    keys = make_keys(3)
+    size = file_size(keys[0])
+    disk = FullDiskFileOps(root, size // 2)  # not even one chunk fits, and none is ours
+    tier = DiskTier(root, BIG, file_ops=disk)
+    await tier.open()
+    obj = make_obj(arena)
+    try:
+        assert not await tier.put(keys[0], obj)  # tried, failed: nothing to evict
+        assert disk.failures == 1
+        assert tier.stats()["effective_capacity"] < size
+        assert not await tier.put(keys[1], obj)  # measured, refused, not tried
+        assert disk.failures == 1
+        stats = tier.stats()
+        assert stats["put_failures"] == stats["put_refused"] == stats["no_space_errors"] == 1
+        assert temp_files(root) == []
+        disk.limit_bytes = 5 * size  # the other files went away
+        assert await tier.put(keys[2], obj)
+        assert tier.stats()["effective_capacity"] >= 4 * size
+    finally:
+        obj.unref()
+        await tier.aclose()
+
+
+async def test_removed_directory_is_recreated_with_its_lock(root: Path, arena: HostArena) -> None:
+    keys = make_keys(2)
+    tier = DiskTier(root, BIG)
+    await tier.open()
+    source, target = make_obj(arena), poisoned_obj(arena)
+    try:
+        assert await tier.put(keys[0], source)
+        shutil.rmtree(root)
+        assert await tier.put(keys[1], source)
+        assert files_under(root) == [f"{keys[1].hex[:2]}/{keys[1].hex}"]
+        assert not tier.contains(keys[0])  # its file went with the directory
+        stats = tier.stats()
+        assert stats["directory_recreated"] == 1
+        assert stats["bytes_used"] == file_size(keys[1])
+        assert await tier.get_into(keys[1], target)
+        assert same_groups(source, target)
+        other = DiskTier(root, BIG)
+        with pytest.raises(L2DirectoryInUseError, match=str(root)):
+            await other.open()  # the recreated directory is still ours alone
+    finally:
+        source.unref()
+        target.unref()
+        await tier.aclose()
+
+
+async def test_removed_directory_taken_by_another_tier_is_left_to_it(
+    root: Path, arena: HostArena
+) -> None:
+    keys = make_keys(2)
+    tier = DiskTier(root, BIG)
+    await tier.open()
+    obj = make_obj(arena)
+    other = DiskTier(root, BIG)
+    try:
+        assert await tier.put(keys[0], obj)
+        shutil.rmtree(root)
+        await other.open()  # a new process takes the new directory
+        assert not await tier.put(keys[1], obj)
+        assert files_under(root) == []  # nothing written into the other tier's directory
+        assert tier.stats()["put_failures"] == 1
+        assert not await tier.put(keys[1], obj)  # and it stays that way
+        assert files_under(root) == []
+        assert tier.entries() == []  # nothing there is ours to read, evict or remove
+        assert await other.put(keys[0], obj)
+        assert not await tier.remove(keys[0])
+        assert path_of(root, keys[0]).exists()
+    finally:
+        obj.unref()
+        await other.aclose()
+        await tier.aclose()
+
+
+@pytest.mark.parametrize("how", ["parent_is_a_file", "root_is_a_file", "read_only"])
+async def test_unusable_directory_at_open_raises_tiered_kv_error(tmp_path: Path, how: str) -> None:
+    if how == "parent_is_a_file":
+        (tmp_path / "file").write_bytes(b"")
+        root = tmp_path / "file" / "l2"
+    elif how == "root_is_a_file":
+        root = tmp_path / "l2"
+        root.write_bytes(b"")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root ignores directory permissions; the other variants cover the error")
+        root = tmp_path / "l2"
+        root.mkdir()
+        (root / l2_disk.LOCK_NAME).write_bytes(b"")  # a writable lock file in a read-only dir
+        root.chmod(0o555)
+    tier = DiskTier(root, BIG)
+    try:
+        with pytest.raises(TieredKVError, match=re.escape(str(root))) as raised:
+            await tier.open()
+        assert isinstance(raised.value.__cause__, OSError)
+        assert not isinstance(raised.value, OSError)
+    finally:
+        if how == "read_only":
+            root.chmod(0o755)
+        await tier.aclose()
+
+
+# -- recency ------------------------------------------------------------------------------------
+async def test_touch_keeps_hot_chunks_through_eviction_and_restart(
+    root: Path, arena: HostArena
+) -> None:
+    keys = make_keys(14)
+    size = file_size(keys[0])
+    obj = make_obj(arena)
+    try:
+        first = DiskTier(root, 8 * size, fsync=False)  # fast writes: many share a clock tick
+        await first.open()
+        try:
+            for key in keys[:8]:
+                assert await first.put(key, obj)
+            await first.touch([keys[0], keys[1]])
+            for key in keys[8:12]:
+                assert await first.put(key, obj)  # evicts keys[2:6], not the touched ones
+            survivors = [k for k, _, _ in first.entries()]
+            assert survivors == [keys[6], keys[7], keys[0], keys[1], *keys[8:12]]
+            # Files carry the order, without ties, even where writes share a clock tick.
+            mtimes = [path_of(root, key).stat().st_mtime_ns for key in survivors]
+            assert mtimes == sorted(set(mtimes))
+        finally:
+            await first.aclose()
+
+        second = DiskTier(root, 8 * size, fsync=False)
+        await second.open()
+        try:
+            assert [k for k, _, _ in second.entries()] == survivors  # recency survived restart
+            for key in keys[12:]:
+                assert await second.put(key, obj)
+            assert second.contains(keys[0]) and second.contains(keys[1])
+            assert not second.contains(keys[6]) and not second.contains(keys[7])
+            assert not path_of(root, keys[6]).exists()
+        finally:
+            await second.aclose()
+    finally:
+        obj.unref()
+
+
+async def test_touch_skips_unknown_and_vanished_keys(root: Path, arena: HostArena) -> None:
+    keys = make_keys(3)
+    tier = DiskTier(root, BIG)
+    await tier.open()
+    obj = make_obj(arena)
+    try:
+        for key in keys[:2]:
+            assert await tier.put(key, obj)
+        path_of(root, keys[0]).unlink()  # behind our back
+        await tier.touch([keys[2], keys[1], keys[0]])
+        # Still indexed: the read that finds the file missing drops it.
+        assert [k for k, _, _ in tier.entries()] == [keys[1], keys[0]]
+        assert tier.stats()["touch_failures"] == 0
+    finally:
+        obj.unref()
+        await tier.aclose()
+    await tier.touch(keys)  # after close: nothing to do, no error
 
 
 # -- inspection ---------------------------------------------------------------------------------

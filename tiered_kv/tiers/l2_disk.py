@@ -7,6 +7,25 @@ directory, fsynced and renamed, so neither readers nor a restarted process ever 
 the files' headers; torn, corrupt or misnamed files are removed there and whenever a read finds
 them.
 
+Recency survives a restart: every write, read hit and `touch` stamps the file's mtime with a
+strictly increasing time, and `open` orders the index by it, so hot chunks are evicted last.
+
+A full filesystem: ``capacity`` is an upper bound, not a promise. A write that fails with
+``ENOSPC`` or ``EDQUOT`` sets the *effective capacity* to what the filesystem holds for us (the
+bytes of our committed chunks plus its free bytes, `os.statvfs`), evicts least recently used chunks
+down to it and tries again: at most `_NO_SPACE_RETRIES` times, and only when files were deleted
+since the failed attempt began (by its own eviction or another put's). While the effective
+capacity is below ``capacity`` every write also measures the free space (in the write's own
+thread hop), so the effective capacity follows the filesystem back up when space is freed (and
+down, before the next ``ENOSPC``, when something else fills it); a put that would not fit even
+in an emptied tier measures once more before it is refused. ``stats()`` reports
+``effective_capacity`` and ``no_space_errors``.
+
+A removed directory: every write checks that ``root/.lock`` is still the file it holds the lock
+on. When it is gone, the write recreates the directory and takes the lock on a new lock file, and
+the index forgets chunks whose files went with the old directory. If another tier took the new
+directory first, this tier leaves it alone: it forgets its index and every later put fails.
+
 Must not: keep `MemoryObj`s or change their reference counts, hand out bytes whose checksum was
 not verified, or touch a caller's buffers after the call that lent them has returned.
 
@@ -25,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import errno
 import fcntl
 import functools
 import io
@@ -52,7 +72,13 @@ from tiered_kv.codec import (
     encoded_header_len,
     header_length,
 )
-from tiered_kv.errors import CodecError, ConfigError, EngineStateError, L2DirectoryInUseError
+from tiered_kv.errors import (
+    CodecError,
+    ConfigError,
+    EngineStateError,
+    L2DirectoryInUseError,
+    TieredKVError,
+)
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import DTYPE_NAMES
 from tiered_kv.memory import MemoryObj
@@ -69,6 +95,10 @@ _HEX_DIGITS = frozenset("0123456789abcdef")
 # write it in one call: on the benchmark VM, files written in 1 MiB (4 MiB) calls mostly read
 # back from disk up to 4x (2x) slower than files written in one call.
 _READ_SLICE_BYTES = 1 << 20
+# Errors of a full filesystem or quota: evict and write again instead of failing every put.
+_NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
+# Retries of one put after no-space errors; each follows deletions, so each meets more room.
+_NO_SPACE_RETRIES = 2
 
 _T = TypeVar("_T")
 
@@ -141,12 +171,38 @@ def _check_abort(abort: threading.Event) -> None:
         raise _Aborted
 
 
-def _write_all_at(file: io.FileIO, data: bytes | memoryview, offset: int) -> None:
+class FileOps:
+    """The system calls through which `DiskTier` writes chunk files: the seam for fault tests.
+
+    Tests pass a subclass to `DiskTier` (``file_ops=``) to fail writes the way a full disk does
+    (see `tiered_kv.tiers.testing.FullDiskFileOps`). Called from executor threads, several at
+    once: implementations must be thread-safe.
+    """
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        """`os.pwrite`: may write fewer bytes than given, raises `OSError` (e.g. ``ENOSPC``)."""
+        return os.pwrite(fd, data, offset)
+
+    def free_bytes(self, directory: Path) -> int | None:
+        """Bytes still free for us on ``directory``'s filesystem; None when that is unknown."""
+        try:
+            stat = os.statvfs(directory)
+        except OSError:
+            return None
+        return stat.f_bavail * stat.f_frsize
+
+
+DEFAULT_FILE_OPS = FileOps()
+
+
+def _write_all_at(
+    file: io.FileIO, data: bytes | memoryview, offset: int, file_ops: FileOps = DEFAULT_FILE_OPS
+) -> None:
     """Write every byte of ``data`` at ``offset`` (raw writes may be short)."""
     view = memoryview(data)
     fd = file.fileno()
     while view:
-        written = os.pwrite(fd, view, offset)
+        written = file_ops.pwrite(fd, view, offset)
         if not written:
             raise OSError(f"write to {file.name!r} made no progress")
         view = view[written:]
@@ -217,6 +273,28 @@ def _unlink_paths(paths: Sequence[Path]) -> None:
         _unlink_quietly(path)
 
 
+def _vanished(paths: Sequence[Path]) -> list[bool]:
+    """Which of ``paths`` no longer exist."""
+    return [not os.path.lexists(path) for path in paths]
+
+
+def _set_mtimes(stamps: Sequence[tuple[Path, int]]) -> int:
+    """Stamp each file's access and modification time; returns how many failed.
+
+    A file that vanished is skipped: the read that finds it missing drops its entry.
+    """
+    failures = 0
+    for path, stamp_ns in stamps:
+        try:
+            os.utime(path, ns=(stamp_ns, stamp_ns), follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            failures += 1
+            logger.debug("L2: could not stamp %s", path, exc_info=True)
+    return failures
+
+
 @dataclasses.dataclass(slots=True)
 class _WriteJob:
     directory: Path
@@ -228,8 +306,15 @@ class _WriteJob:
     buffers: list[memoryview]
     fsync: bool
     limits: CodecLimits
+    file_ops: FileOps
+    lock: _DirectoryLock
+    stamp_ns: int  # the file's mtime: its recency for the index rebuilt at open
+    measure_free_space: bool  # after the write, too (a no-space failure always measures)
     abort: threading.Event = dataclasses.field(default_factory=threading.Event)
     committed: bool = False
+    # Results, read on the loop once the thread is done:
+    free_bytes: int | None = None
+    lock_retaken: bool = False
 
 
 def _create_temp_file(job: _WriteJob) -> io.FileIO:
@@ -257,6 +342,7 @@ def _write_chunk_file(job: _WriteJob) -> None:
     """
     _check_abort(job.abort)
     header_len = check_encodable(job.key_bytes, job.num_tokens, job.specs, job.limits)
+    job.lock_retaken = job.lock.ensure_held(job.fsync)
     try:
         with _create_temp_file(job) as file:
             state = xxhash.xxh3_64()
@@ -264,13 +350,14 @@ def _write_chunk_file(job: _WriteJob) -> None:
             for buffer in job.buffers:
                 _check_abort(job.abort)
                 state.update(buffer)
-                _write_all_at(file, buffer, position)
+                _write_all_at(file, buffer, position, job.file_ops)
                 position += len(buffer)
             header = encode_header(
                 job.key_bytes, job.num_tokens, job.specs, state.intdigest(), limits=job.limits
             )
             _check_abort(job.abort)
-            _write_all_at(file, header, 0)
+            _write_all_at(file, header, 0, job.file_ops)
+            os.utime(file.fileno(), ns=(job.stamp_ns, job.stamp_ns))
             if job.fsync:
                 os.fsync(file.fileno())
         _check_abort(job.abort)
@@ -289,6 +376,18 @@ def _write_chunk_file(job: _WriteJob) -> None:
             raise
 
 
+def _store_chunk(job: _WriteJob) -> None:
+    """`_write_chunk_file`, then the filesystem's free bytes when the tier needs them."""
+    try:
+        _write_chunk_file(job)
+    except OSError as exc:
+        if exc.errno in _NO_SPACE_ERRNOS:
+            job.free_bytes = job.file_ops.free_bytes(job.directory.parent)
+        raise
+    if job.measure_free_space:
+        job.free_bytes = job.file_ops.free_bytes(job.directory.parent)
+
+
 class _ReadOutcome(enum.Enum):
     HIT = "hit"
     MISSING = "missing"
@@ -305,6 +404,7 @@ def _read_chunk_file(
     buffers: list[memoryview],
     limits: CodecLimits,
     abort: threading.Event,
+    stamp_ns: int,
 ) -> tuple[_ReadOutcome, str]:
     """Verify the header, read the payload straight into ``buffers``, verify the checksum."""
     _check_abort(abort)
@@ -342,7 +442,7 @@ def _read_chunk_file(
             )
         # Recency survives a restart: the index is rebuilt in mtime order.
         with contextlib.suppress(OSError):
-            os.utime(file.fileno())
+            os.utime(file.fileno(), ns=(stamp_ns, stamp_ns))
     return _ReadOutcome.HIT, ""
 
 
@@ -459,17 +559,33 @@ def _rebuild_index(root: Path, limits: CodecLimits) -> _Rebuilt:
 
 
 class _DirectoryLock:
-    """An exclusive, non-blocking flock on ``root/.lock``, held from acquire to release."""
+    """An exclusive, non-blocking flock on ``root/.lock``, held from acquire to release.
+
+    `ensure_held` runs in write threads, several at once; the other methods on the loop.
+    """
 
     def __init__(self, root: Path) -> None:
         self.path = root / LOCK_NAME
         self._fd: int | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the locked file
+        self._mutex = threading.Lock()
+        # Set for good when another tier took the directory after ours was removed.
+        self.lost = False
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, identity = self._lock_new_file()
+        with self._mutex:
+            self._fd, self._identity = fd, identity
+
+    def _lock_new_file(self) -> tuple[int, tuple[int, int]]:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stat = os.fstat(fd)
+            # A directory we may lock but not write to would fail every put; say so at open.
+            if not os.access(self.path.parent, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable", str(self.path.parent))
         except BlockingIOError:
             holder = "unknown"
             with contextlib.suppress(OSError):
@@ -482,14 +598,51 @@ class _DirectoryLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
         # Best effort: name the holder for the error message above.
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd, (stat.st_dev, stat.st_ino)
+
+    def ensure_held(self, fsync: bool) -> bool:
+        """Check that ``root/.lock`` is still the file we lock; True when it had to be retaken.
+
+        When the lock file is gone (the directory was removed), recreate the directory and lock
+        a new file. If another tier holds that one, raise `L2DirectoryInUseError`, now and on
+        every later call: the directory is theirs.
+        """
+        with self._mutex:
+            if self.lost:
+                raise L2DirectoryInUseError(
+                    f"L2 directory {self.path.parent} was removed and is now another tier's"
+                )
+            if self._fd is None:
+                raise EngineStateError(f"L2 directory {self.path.parent}: the tier is closed")
+            try:
+                stat = os.stat(self.path)
+            except FileNotFoundError:
+                pass
+            else:
+                if (stat.st_dev, stat.st_ino) == self._identity:
+                    return False
+            root = self.path.parent
+            if not root.is_dir():
+                root.mkdir(parents=True, exist_ok=True)
+                if fsync:
+                    _fsync_directory(root.parent)
+            try:
+                fd, identity = self._lock_new_file()
+            except L2DirectoryInUseError:
+                self.lost = True
+                raise
+            os.close(self._fd)  # the old file is unlinked; its lock protects nothing now
+            self._fd, self._identity = fd, identity
+            logger.warning("L2: %s was removed; recreated it and locked it again", root)
+            return True
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
+        with self._mutex:
+            fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the only descriptor drops the flock
 
@@ -506,6 +659,11 @@ _COUNTERS = (
     "corrupt_removed",
     "layout_mismatch",
     "read_failures",
+    "no_space_errors",  # writes that failed with ENOSPC or EDQUOT
+    "no_space_retries",  # writes tried again after evicting for room
+    "directory_recreated",  # the directory or its lock file was removed and made again
+    "touches",
+    "touch_failures",
 )
 
 
@@ -513,7 +671,8 @@ class DiskTier(LowerTier):
     """L2 on a local directory, bounded by ``capacity`` bytes of files, LRU.
 
     ``fsync=False`` skips the file and directory fsyncs (faster, but a power loss may lose
-    recent chunks; the checksums still keep torn files from being served).
+    recent chunks; the checksums still keep torn files from being served). ``file_ops`` is the
+    seam for fault tests (a full disk); leave the default otherwise.
     """
 
     name = "L2"
@@ -525,6 +684,7 @@ class DiskTier(LowerTier):
         *,
         fsync: bool = True,
         limits: CodecLimits = DEFAULT_LIMITS,
+        file_ops: FileOps = DEFAULT_FILE_OPS,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(
@@ -534,11 +694,16 @@ class DiskTier(LowerTier):
         self.capacity = capacity
         self.fsync = fsync
         self.limits = limits
+        self.file_ops = file_ops
         self._lock = _DirectoryLock(self.root)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
         self._bytes_used = 0
         self._reserved = 0
+        # At most capacity; lower while the filesystem holds less (see the module docstring).
+        self._effective_capacity = capacity
+        self._last_stamp_ns = 0
+        self._bytes_deleted = 0  # grows when files are handed to a thread for unlinking
         # Keys with a put or an unlink in flight; never in the index at an await point.
         self._busy: dict[ChunkKey, asyncio.Event] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -551,11 +716,17 @@ class DiskTier(LowerTier):
         if self._state != "new":
             raise EngineStateError(f"DiskTier.open: already {self._state}; open is called once")
         try:
-            await _run_blocking(self._lock.acquire)
-            rebuilt = await _run_blocking(functools.partial(_rebuild_index, self.root, self.limits))
-            for key, entry, _ in rebuilt.entries:
+            try:
+                await _run_blocking(self._lock.acquire)
+                rebuilt = await _run_blocking(
+                    functools.partial(_rebuild_index, self.root, self.limits)
+                )
+            except OSError as exc:
+                raise TieredKVError(f"L2 directory {self.root} is not usable: {exc}") from exc
+            for key, entry, mtime_ns in rebuilt.entries:
                 self._index[key] = entry
                 self._bytes_used += entry.size
+                self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
             self._counters["corrupt_removed"] += rebuilt.corrupt_removed
             victims = self._evict_until(lambda: self._bytes_used <= self.capacity)
             if victims:
@@ -604,10 +775,27 @@ class DiskTier(LowerTier):
             "bytes_used": self._bytes_used,
             "bytes_reserved": self._reserved,
             "capacity": self.capacity,
+            "effective_capacity": self._effective_capacity,
             **self._counters,
             "write_seconds": self._write_seconds,
             "read_seconds": self._read_seconds,
         }
+
+    def _stamp(self) -> int:
+        """A file time for a chunk used now, later than every earlier one (ties would lose the
+        order at the next open: file times have the clock tick's granularity)."""
+        self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+        return self._last_stamp_ns
+
+    def _fit_to_filesystem(self, free_bytes: int | None) -> None:
+        """Effective capacity: our committed chunks plus the filesystem's free bytes.
+
+        Writes in flight are not counted: whatever part of them is on disk already is missing
+        from ``free_bytes``, so the estimate errs low by at most what they wrote; counting their
+        whole size would err high, and the next write would meet ``ENOSPC`` again.
+        """
+        if free_bytes is not None:
+            self._effective_capacity = max(0, min(self.capacity, self._bytes_used + free_bytes))
 
     def _path_for(self, key: ChunkKey) -> Path:
         name = key.hex
@@ -639,6 +827,7 @@ class DiskTier(LowerTier):
         """Delete files already dropped from the index; their keys stay busy meanwhile."""
         events = [(key, asyncio.Event()) for key, _ in victims]
         self._busy.update(events)
+        self._bytes_deleted += sum(entry.size for _, entry in victims)
         try:
             await _run_blocking(functools.partial(_unlink_paths, [e.path for _, e in victims]))
         finally:
@@ -653,33 +842,52 @@ class DiskTier(LowerTier):
         if key in self._index:
             self._index.move_to_end(key)
             return True
+        if self._lock.lost:
+            self._counters["put_failures"] += 1
+            return False
         specs = chunk_specs(obj)
         key_bytes = key.to_bytes()
         size = encoded_header_len(len(key_bytes), specs) + sum(spec.nbytes for spec in specs)
         if size + self._reserved > self.capacity:
-            self._counters["put_refused"] += 1
-            logger.debug(
-                "L2 put of %s refused: %d bytes, capacity %d, %d reserved by writes in flight",
-                key.hex,
-                size,
-                self.capacity,
-                self._reserved,
-            )
+            self._refuse(key, size)
             return False
-        victims = self._evict_until(
-            lambda: self._bytes_used + self._reserved + size <= self.capacity
-        )
         done = asyncio.Event()
         self._busy[key] = done
-        self._reserved += size
         try:
-            if victims:
-                await self._unlink_entries(victims)
-            return await self._write(key, key_bytes, obj, specs, size)
+            if size + self._reserved > self._effective_capacity:
+                # Even an empty tier would not hold it on this filesystem: has space come back?
+                free_bytes = await _run_blocking(
+                    functools.partial(self.file_ops.free_bytes, self.root)
+                )
+                self._fit_to_filesystem(free_bytes)
+                if size + self._reserved > self._effective_capacity:
+                    self._refuse(key, size)
+                    return False
+            victims = self._evict_until(
+                lambda: self._bytes_used + self._reserved + size <= self._effective_capacity
+            )
+            self._reserved += size
+            try:
+                if victims:
+                    await self._unlink_entries(victims)
+                return await self._write(key, key_bytes, obj, specs, size)
+            finally:
+                self._reserved -= size
         finally:
-            self._reserved -= size
             del self._busy[key]
             done.set()
+
+    def _refuse(self, key: ChunkKey, size: int) -> None:
+        self._counters["put_refused"] += 1
+        logger.debug(
+            "L2 put of %s refused: %d bytes, capacity %d (effective %d), %d reserved by writes "
+            "in flight",
+            key.hex,
+            size,
+            self.capacity,
+            self._effective_capacity,
+            self._reserved,
+        )
 
     async def _write(
         self,
@@ -689,38 +897,103 @@ class DiskTier(LowerTier):
         specs: tuple[GroupSpec, ...],
         size: int,
     ) -> bool:
+        """Write the file, evicting and trying again after no-space errors; ``size`` is reserved."""
         final_path = self._path_for(key)
-        temp_name = f".{final_path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
-        job = _WriteJob(
-            directory=final_path.parent,
-            temp_path=final_path.parent / temp_name,
-            final_path=final_path,
-            key_bytes=key_bytes,
-            num_tokens=obj.num_tokens,
-            specs=specs,
-            buffers=obj.group_buffers(),
-            fsync=self.fsync,
-            limits=self.limits,
-        )
         entry = _Entry(final_path, size, obj.num_tokens, specs)
-        started = time.perf_counter()
-        try:
-            await _run_blocking(functools.partial(_write_chunk_file, job), job.abort)
-        except asyncio.CancelledError:
-            # Cancelled after the rename: the chunk is complete, so keep it indexed.
-            if job.committed:
-                self._insert(key, entry)
-            raise
-        except Exception:
-            self._counters["put_failures"] += 1
-            logger.warning("L2 put of %s failed", key.hex, exc_info=True)
-            return False
-        finally:
-            self._write_seconds += time.perf_counter() - started
-        self._insert(key, entry)
-        self._counters["puts"] += 1
-        self._counters["bytes_written"] += size
-        return True
+        attempt = 0
+        while True:
+            temp_name = f".{final_path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
+            job = _WriteJob(
+                directory=final_path.parent,
+                temp_path=final_path.parent / temp_name,
+                final_path=final_path,
+                key_bytes=key_bytes,
+                num_tokens=obj.num_tokens,
+                specs=specs,
+                buffers=obj.group_buffers(),
+                fsync=self.fsync,
+                limits=self.limits,
+                file_ops=self.file_ops,
+                lock=self._lock,
+                stamp_ns=self._stamp(),
+                measure_free_space=self._effective_capacity < self.capacity,
+            )
+            deleted_before = self._bytes_deleted
+            started = time.perf_counter()
+            try:
+                await _run_blocking(functools.partial(_store_chunk, job), job.abort)
+            except asyncio.CancelledError:
+                # Cancelled after the rename: the chunk is complete, so keep it indexed.
+                if job.committed:
+                    self._insert(key, entry)
+                raise
+            except Exception as exc:
+                if self._lock.lost:
+                    self._forget_lost_directory()
+                elif job.lock_retaken:
+                    await self._forget_vanished_files()
+                if isinstance(exc, OSError) and exc.errno in _NO_SPACE_ERRNOS:
+                    await self._make_room_after_no_space(key, job, size)
+                    # Again only if files went (ours or other puts' victims) since this try began.
+                    if self._bytes_deleted > deleted_before and attempt < _NO_SPACE_RETRIES:
+                        attempt += 1
+                        self._counters["no_space_retries"] += 1
+                        continue
+                self._counters["put_failures"] += 1
+                logger.warning("L2 put of %s failed", key.hex, exc_info=True)
+                return False
+            finally:
+                self._write_seconds += time.perf_counter() - started
+            self._insert(key, entry)
+            if job.measure_free_space:
+                self._fit_to_filesystem(job.free_bytes)
+            self._counters["puts"] += 1
+            self._counters["bytes_written"] += size
+            if job.lock_retaken:
+                await self._forget_vanished_files()  # after the insert: a cancel keeps the chunk
+            return True
+
+    async def _make_room_after_no_space(self, key: ChunkKey, job: _WriteJob, size: int) -> None:
+        """Lower the effective capacity to what the filesystem holds and evict down to it."""
+        self._counters["no_space_errors"] += 1
+        self._fit_to_filesystem(job.free_bytes)
+        if job.free_bytes is None:  # unknown: assume the disk holds what we hold now
+            self._effective_capacity = min(self._effective_capacity, self._bytes_used)
+        victims = self._evict_until(
+            lambda: self._bytes_used + self._reserved <= self._effective_capacity
+        )
+        logger.info(
+            "L2: no space for %s (%d bytes): effective capacity now %d of %d, evicting %d chunks",
+            key.hex,
+            size,
+            self._effective_capacity,
+            self.capacity,
+            len(victims),
+        )
+        if victims:
+            await self._unlink_entries(victims)
+
+    def _forget_lost_directory(self) -> None:
+        """Another tier owns the directory now: none of its files are ours to read or delete."""
+        if self._index:
+            logger.warning(
+                "L2 %s: another tier took the directory; forgetting %d chunks",
+                self.root,
+                len(self._index),
+            )
+        self._index.clear()
+        self._bytes_used = 0
+
+    async def _forget_vanished_files(self) -> None:
+        """The directory was recreated: drop the entries whose files went with the old one."""
+        self._counters["directory_recreated"] += 1
+        snapshot = list(self._index.items())
+        vanished = await _run_blocking(
+            functools.partial(_vanished, [entry.path for _, entry in snapshot])
+        )
+        for (key, entry), gone in zip(snapshot, vanished, strict=True):
+            if gone:
+                self._drop(key, entry)
 
     def _insert(self, key: ChunkKey, entry: _Entry) -> None:
         self._index[key] = entry
@@ -747,6 +1020,7 @@ class DiskTier(LowerTier):
             obj.group_buffers(),
             self.limits,
             abort,
+            self._stamp(),
         )
         started = time.perf_counter()
         try:
@@ -778,6 +1052,28 @@ class DiskTier(LowerTier):
         else:
             logger.warning("L2: %s: %s", entry.path, detail)
         return False
+
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Move ``keys`` to the recent end of the LRU and stamp their files' mtimes (one thread
+        hop for the batch), so that the order survives a restart. After close: a no-op."""
+        if self._state != "open":
+            return
+        stamps = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is None:
+                continue
+            self._index.move_to_end(key)
+            stamps.append((entry.path, self._stamp()))
+        if not stamps:
+            return
+        try:
+            failures = await _run_blocking(functools.partial(_set_mtimes, stamps))
+        except Exception:  # recency is a hint: the in-memory order stands
+            logger.warning("L2: stamping %d touched files failed", len(stamps), exc_info=True)
+            failures = len(stamps)
+        self._counters["touches"] += len(stamps) - failures
+        self._counters["touch_failures"] += failures
 
     async def remove(self, key: ChunkKey) -> bool:
         self._check_open("remove")

@@ -1,21 +1,27 @@
-"""Test tools shipped with the library: an in-memory lower tier and a fault-injecting wrapper.
+"""Test tools shipped with the library: an in-memory lower tier and fault injectors.
 
 `MemoryTier` keeps copies of chunks in plain Python bytes (no disk), `FaultyTier` wraps any
 `LowerTier` and fails a seeded subset of keys and/or delays calls (per operation), so faults are
 repeatable; its ``gate`` holds every read and write at a known await point until opened, which
 is how tests cancel at each stage deterministically. Benchmarks use the delays to stand in for a
-disk or network that the page cache hides.
+disk or network that the page cache hides. `FullDiskFileOps` gives a `DiskTier` a filesystem of
+a chosen size, which fills up as a real one does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import random
+import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.tiers.base import LowerTier
+from tiered_kv.tiers.l2_disk import FileOps
 
 
 class MemoryTier(LowerTier):
@@ -153,6 +159,9 @@ class FaultyTier(LowerTier):
         self.active += 1
         self.max_active = max(self.max_active, self.active)
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        await self.inner.touch(keys)
+
     async def remove(self, key: ChunkKey) -> bool:
         return await self.inner.remove(key)
 
@@ -165,3 +174,50 @@ class FaultyTier(LowerTier):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class FullDiskFileOps(FileOps):
+    """A filesystem of ``limit_bytes`` for the files under ``root`` (their sizes, summed).
+
+    A write that would take them past the limit writes what fits and returns a short count, as
+    the kernel does; the next one raises ``OSError(error_number)`` (``ENOSPC``, or ``EDQUOT`` for
+    a quota). `free_bytes` answers from the same sums, so a tier sees one consistent disk. Change
+    ``limit_bytes`` at any time (a disk that other files fill or free). Thread-safe; every write
+    sums the directory, so keep it to a few hundred files.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], limit_bytes: int, *, error_number: int = errno.ENOSPC
+    ) -> None:
+        self.root = Path(root)
+        self.limit_bytes = limit_bytes
+        self.error_number = error_number
+        self.failures = 0  # writes refused with error_number
+        self.short_writes = 0
+        self._mutex = threading.Lock()
+
+    def used_bytes(self) -> int:
+        total = 0
+        for directory, _, names in os.walk(self.root):
+            for name in names:
+                try:
+                    total += os.lstat(os.path.join(directory, name)).st_size
+                except FileNotFoundError:
+                    continue  # removed while we walked
+        return total
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        with self._mutex:  # the check and the write as one step, so threads cannot overshoot
+            room = max(0, self.limit_bytes - self.used_bytes())
+            fits = min(len(data), os.fstat(fd).st_size + room - offset)
+            if fits <= 0 and len(data):
+                self.failures += 1
+                raise OSError(self.error_number, os.strerror(self.error_number))
+            if fits < len(data):
+                self.short_writes += 1
+                data = data[:fits]
+            return super().pwrite(fd, data, offset)
+
+    def free_bytes(self, directory: Path) -> int | None:
+        with self._mutex:
+            return max(0, self.limit_bytes - self.used_bytes())
