@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.kvfactory import random_tensor
 from tiered_kv import EngineConfig, SyncTieredKVEngine
 from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import KVMover
@@ -39,14 +40,6 @@ TEMPLATES: dict[str, tuple[tuple[str, ...], ...]] = {
     "separate": (("block", "pos", "head", "elem"), ("block", "head", "pos", "elem")),
     "fused": (("block", "pos", "head", "elem"), ("block", "head", "pos", "elem")),
 }
-
-
-def random_bytes(
-    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: str
-) -> torch.Tensor:
-    *lead, last = shape
-    raw = torch.randint(0, 256, (*lead, last * dtype.itemsize), dtype=torch.uint8, generator=gen)
-    return raw.to(device).view(dtype)
 
 
 @dataclasses.dataclass
@@ -115,10 +108,10 @@ def cases(draw: st.DrawFn, device: str = "cpu") -> Case:
         for _ in range(count):
             if padded:
                 at = roles.index("block") + 1
-                storage = random_bytes((*shape[:at], 2, *shape[at:]), dtype, gen, device)
+                storage = random_tensor((*shape[:at], 2, *shape[at:]), dtype, gen, device)
                 tensor = storage.select(at, 0)
             else:
-                storage = tensor = random_bytes(shape, dtype, gen, device)
+                storage = tensor = random_tensor(shape, dtype, gen, device)
             storages.append(storage)
             tensors.append(tensor)
         layers.append(Physical(family, roles, tuple(storages), tuple(tensors), head_size))
