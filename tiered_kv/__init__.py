@@ -10,6 +10,8 @@ from tiered_kv.errors import (
     LayoutError,
     TieredKVError,
 )
+from tiered_kv.layerwise_store import LayerwiseStore
+from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
 
 __all__ = [
     "CodecError",
@@ -17,7 +19,10 @@ __all__ = [
     "EngineConfig",
     "EngineStateError",
     "KernelCompileError",
+    "LayerwiseRetrieve",
+    "LayerwiseStore",
     "LayoutError",
+    "RetrieveResult",
     "SyncTieredKVEngine",
     "TieredKVEngine",
     "TieredKVError",

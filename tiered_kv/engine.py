@@ -24,12 +24,15 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
-from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover
 from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.keys import ChunkKey, KeyScope, TokenIds, chunk_keys
+from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
-from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.memory import HostArena
 from tiered_kv.prefetch import PrefetchController, PrefetchHandle
+from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest
+from tiered_kv.retrieval import RetrieveResult as RetrieveResult  # re-exported: public here too
 from tiered_kv.storage import StorageManager
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
@@ -37,37 +40,6 @@ from tiered_kv.tiers.l1 import L1Tier
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RetrieveResult:
-    """What `retrieve_detailed` delivered, and why it stopped.
-
-    valid_tokens: end of the valid prefix in the request's blocks (what `retrieve` returns).
-    cached_tokens: end of the prefix the tiers held when retrieve stopped (>= valid_tokens);
-        ``cached_tokens - valid_tokens`` tokens were cached but not delivered: the serving
-        engine recomputes them.
-    stop_reason: "complete" (every chunk of the request), "gap" (the cached prefix ends),
-        "late" (a chunk was still loading when the policy's budget ran out), "failed" (a
-        load failed: a miss) or "no_space" (L1 had no unreferenced room for a load).
-    late_chunks: chunk indexes not delivered because of the policy (the first late one and the
-        cached chunks after it).
-    failed_chunks: chunk indexes whose load failed.
-    waited_s: time spent waiting for loads.
-    """
-
-    valid_tokens: int
-    cached_tokens: int
-    stop_reason: str
-    policy: str
-    late_chunks: tuple[int, ...] = ()
-    failed_chunks: tuple[int, ...] = ()
-    waited_s: float = 0.0
-
-    @property
-    def recompute_tokens(self) -> int:
-        """Cached tokens that were not delivered (late, failed or no room)."""
-        return self.cached_tokens - self.valid_tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -95,6 +67,8 @@ class _Counters:
     retrieve_waited_seconds: float = 0.0
     retrieve_late_tokens: int = 0
     retrieve_failed_tokens: int = 0
+    retrieve_layerwise_calls: int = 0
+    store_layerwise_calls: int = 0
     prefetch_calls: int = 0
     implicit_prefetches: int = 0
     implicit_prefetches_abandoned: int = 0
@@ -153,6 +127,8 @@ class TieredKVEngine:
         # Prefetches started by lookup, consumed by the retrieve of the same tokens.
         self._implicit: OrderedDict[tuple[str, ChunkKey], PrefetchHandle] = OrderedDict()
         self._mover: KVMover | None = None
+        self._retriever: Retriever | None = None
+        self._layerwise_stores: set[LayerwiseStore] = set()  # begun, not yet committed/aborted
         self._l2: LowerTier | None = None
         self._closed = False
         # Tasks inside a public verb (with nesting depth): aclose lets them finish first.
@@ -202,6 +178,7 @@ class TieredKVEngine:
             l1_budget_bytes=int(self._arena.capacity * self.config.prefetch_l1_fraction),
         )
         self._mover = self._mover_override or DeviceMover()
+        self._retriever = Retriever(storage, self._prefetch, self._mover, self._counters)
         try:
             for registration in self._registrations.values():
                 self._mover.prepare(registration.layout)
@@ -257,9 +234,12 @@ class TieredKVEngine:
                 logger.warning(
                     "tiered_kv: %d calls still running at close were cancelled", len(running)
                 )
+        for store in list(self._layerwise_stores):
+            await store.abort()  # never committed: nothing of it becomes visible
         storage, mover, arena = self._storage, self._mover, self._arena
         prefetch, self._prefetch = self._prefetch, None
         self._storage = self._mover = None
+        self._retriever = None
         try:
             self._implicit.clear()
             if prefetch is not None:
@@ -359,6 +339,12 @@ class TieredKVEngine:
         assert self._mover is not None  # set together with the storage manager
         return self._mover
 
+    def _require_retriever(self) -> Retriever:
+        if self._retriever is None:
+            state = "closed" if self._closed else "not open"
+            raise EngineStateError(f"TieredKVEngine is {state}; use 'async with' or open()")
+        return self._retriever
+
     def _require_prefetch(self) -> PrefetchController:
         self._require_storage()
         assert self._prefetch is not None  # set together with the storage manager
@@ -401,19 +387,9 @@ class TieredKVEngine:
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.store_calls += 1
-        desc = reg.layout.layout_desc
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         try:
-            for index, key in enumerate(keys):
-                if storage.tier_of(key) is not None:
-                    self._counters.store_skipped_present += 1
-                    continue
-                tokens = self._chunk_tokens(index, num_tokens)
-                obj = storage.allocate(desc, tokens)
-                if obj is None:
-                    self._counters.store_skipped_no_space += len(keys) - index
-                    break
-                staged.append((key, ChunkTransfer(obj, index * self.config.chunk_size)))
+            staged = self._stage(storage, reg, keys, num_tokens)
             if not staged:
                 return 0
             await mover.gather(reg.layout, ids, [transfer for _, transfer in staged])
@@ -555,9 +531,54 @@ class TieredKVEngine:
         L1 references are dropped before waiting for or starting further loads, so delivering
         a prefix never needs more L1 room than one batch plus the loads in flight.
         """
+        request = await self._retrieve_request(
+            token_ids, block_ids, skip_prefix_tokens, model_name, policy
+        )
+        if isinstance(request, RetrieveResult):
+            return request
+        return await self._require_retriever().whole(request)
+
+    @_call
+    async def retrieve_layerwise(
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int = 0,
+        model_name: str | None = None,
+        policy: str | None = None,
+    ) -> LayerwiseRetrieve:
+        """Start loading the cached prefix layer by layer; returns once it is decided and
+        enqueued, before any layer is ready.
+
+        Which chunks are delivered is settled first, as `retrieve_detailed` settles it (loads
+        from L2/L3 waited for per the prefetch policy): ``result`` is final when this returns,
+        so a late or failed chunk is known before any layer is used. Then every delivered
+        chunk's layer 0 is copied, then layer 1, ...: call ``wait_layer(i)`` before the model's
+        layer ``i`` reads the cache (a GPU-side wait on the current stream), and ``await
+        wait()`` before retrieving into the same blocks again. Every delivered chunk is held in
+        L1 until its copies end, so the whole prefix must fit in L1 at once.
+        """
+        request = await self._retrieve_request(
+            token_ids, block_ids, skip_prefix_tokens, model_name, policy
+        )
+        self._counters.retrieve_layerwise_calls += 1
+        if isinstance(request, RetrieveResult):
+            reg = self._registration(model_name)
+            return LayerwiseRetrieve(request, FinishedLayerLoad(reg.layout.num_layers))
+        return await self._require_retriever().layerwise(request)
+
+    async def _retrieve_request(
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        skip_prefix_tokens: int,
+        model_name: str | None,
+        policy: str | None,
+    ) -> RetrieveRequest | RetrieveResult:
+        """Validate a retrieve's arguments and find (or start) the prefetch it consumes; a
+        `RetrieveResult` when nothing past ``skip_prefix_tokens`` is to be loaded."""
         storage = self._require_storage()
-        mover = self._require_mover()
-        controller = self._require_prefetch()
         reg = self._registration(model_name)
         policy = self.config.prefetch_policy if policy is None else policy
         if policy not in PREFETCH_POLICIES:
@@ -593,118 +614,85 @@ class TieredKVEngine:
             handle.extend(
                 [(keys[i], self._chunk_tokens(i, num_tokens)) for i in range(covered, len(keys))]
             )
+        return RetrieveRequest(
+            layout=reg.layout,
+            keys=keys,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            skip_prefix_tokens=skip_prefix_tokens,
+            first=first,
+            policy=policy,
+            handle=handle,
+            chunk_size=chunk_size,
+            chunk_tokens=functools.partial(self._chunk_tokens, total=num_tokens),
+            timeout_base_s=self.config.prefetch_timeout_base_s,
+            timeout_per_1k_tokens_s=self.config.prefetch_timeout_per_1k_tokens_s,
+            batch_chunks=self.config.retrieve_batch_chunks,
+        )
+
+    @_call
+    async def store_layerwise(
+        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
+    ) -> LayerwiseStore:
+        """Begin a store whose layers are copied out as the prefill makes them.
+
+        Stages L1 room for the chunks no tier holds yet (skipping the rest, as `store` does);
+        then ``save_layer(i)`` after the model's layer ``i`` wrote its KV, and ``await
+        commit()`` once every layer is saved: only then do the chunks become visible to lookups.
+        ``abort()`` (or an engine close before commit) stores nothing.
+        """
+        storage = self._require_storage()
+        mover = self._require_mover()
+        reg = self._registration(model_name)
+        token_ids = _whole_blocks(reg, token_ids)
+        keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        num_tokens = _count(token_ids)
+        ids = self._check_blocks(reg, block_ids, num_tokens)
+        self._counters.store_calls += 1
+        self._counters.store_layerwise_calls += 1
+        staged = self._stage(storage, reg, keys, num_tokens)
+        store = LayerwiseStore(
+            storage,
+            mover,
+            reg.layout,
+            ids,
+            staged,
+            on_end=self._layerwise_store_ended,
+        )
+        self._layerwise_stores.add(store)
+        return store
+
+    def _layerwise_store_ended(self, store: LayerwiseStore) -> None:
+        self._layerwise_stores.discard(store)
+        self._counters.stored_chunks += store.stored_chunks
+        self._counters.stored_tokens += store.stored_tokens
+
+    def _stage(
+        self,
+        storage: StorageManager,
+        reg: Registration,
+        keys: Sequence[ChunkKey],
+        num_tokens: int,
+    ) -> list[tuple[ChunkKey, ChunkTransfer]]:
+        """Allocate L1 objects for the chunks no tier holds, in order, until L1 is full (the
+        rest are skipped and counted, not an error). The caller owns the objects."""
+        staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         desc = reg.layout.layout_desc
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline: float | None
-        if policy == "best_effort":
-            deadline = started
-        elif policy == "wait_complete":
-            deadline = None
-        else:
-            loading = sum(
-                self._chunk_tokens(i, num_tokens)
-                for i in range(first, first + storage.prefix_hits(keys[first:]))
-                if not storage.in_l1(keys[i])
-            )
-            deadline = started + (
-                self.config.prefetch_timeout_base_s
-                + self.config.prefetch_timeout_per_1k_tokens_s * loading / 1000
-            )
-        batch: list[ChunkTransfer] = []
-        delivered = skip_prefix_tokens
-        waited = 0.0
-        stop_reason = "complete"
-        failed: tuple[int, ...] = ()
-        index = first
-
-        async def flush() -> None:
-            nonlocal delivered
-            if not batch:
-                return
-            await mover.scatter(reg.layout, ids, batch)
-            last = batch[-1]
-            delivered = max(delivered, last.token_start + last.obj.num_tokens)
-            self._counters.retrieved_chunks += len(batch)
-            self._counters.retrieve_scatter_batches += 1
-            for transfer in batch:
-                transfer.obj.unref()
-            batch.clear()
-
         try:
-            while index < len(keys):
-                key = keys[index]
-                tokens = self._chunk_tokens(index, num_tokens)
-                slot = handle.slot(index)
-                obj: MemoryObj | None = None
-                if slot is None or not slot.held:
-                    obj = storage.get_l1(key)
-                    if obj is None:
-                        tiers = storage.lower_holding(key)
-                        if not tiers:
-                            stop_reason = "gap"
-                            break
-                        if deadline is not None and loop.time() >= deadline:
-                            stop_reason = "late"
-                            break
-                        await flush()  # our own references must not crowd out the load
-                        got = controller.reserve(key, tiers, desc, tokens, budgeted=False)
-                        if isinstance(got, str):
-                            stop_reason = "no_space"
-                            break
-                        slot = handle.add_slot(index, key, tokens, got)
+            for index, key in enumerate(keys):
+                if storage.tier_of(key) is not None:
+                    self._counters.store_skipped_present += 1
+                    continue
+                obj = storage.allocate(desc, self._chunk_tokens(index, num_tokens))
                 if obj is None:
-                    load = None if slot is None else slot.load
-                    if slot is None or load is None:  # unreachable: reserved just above
-                        raise EngineStateError(f"retrieve: chunk {index} has no reservation")
-                    had_to_wait = False
-                    if not load.finished() and load.task is not None:
-                        remaining = None if deadline is None else deadline - loop.time()
-                        if remaining is not None and remaining <= 0:
-                            stop_reason = "late"
-                            break
-                        await flush()
-                        before = loop.time()
-                        await asyncio.wait([load.task], timeout=remaining)
-                        waited += loop.time() - before
-                        had_to_wait = True
-                        if not load.finished():
-                            stop_reason = "late"
-                            break
-                    obj = handle.take(slot, waited=had_to_wait)
-                    if obj is None:
-                        stop_reason = "failed"
-                        failed = (index,)
-                        break
-                storage.record_hit(key, obj)
-                start = index * chunk_size
-                batch.append(ChunkTransfer(obj, start, max(0, skip_prefix_tokens - start)))
-                if len(batch) >= self.config.retrieve_batch_chunks:
-                    await flush()
-                index += 1
-            await flush()
-        finally:
-            for transfer in batch:
+                    self._counters.store_skipped_no_space += len(keys) - index
+                    break
+                staged.append((key, ChunkTransfer(obj, index * self.config.chunk_size)))
+        except BaseException:
+            for _, transfer in staged:
                 transfer.obj.unref()
-            batch.clear()
-            if stop_reason == "failed":
-                handle.cancel()  # loading past a miss is wasted work
-            else:
-                handle.release_unused()  # late loads finish into L1 for the next request
-        if stop_reason in ("complete", "gap"):
-            cached_end = delivered
-        else:
-            cached_chunks = index + max(1, storage.prefix_hits(keys[index:]))
-            cached_end = max(delivered, min(cached_chunks * chunk_size, num_tokens))
-        late: tuple[int, ...] = ()
-        if stop_reason == "late":
-            late = tuple(range(index, -(-cached_end // chunk_size)))
-            self._counters.retrieve_late_tokens += cached_end - delivered
-        elif stop_reason == "failed":
-            self._counters.retrieve_failed_tokens += cached_end - delivered
-        self._counters.retrieved_tokens += delivered - skip_prefix_tokens
-        self._counters.retrieve_waited_seconds += waited
-        return RetrieveResult(delivered, cached_end, stop_reason, policy, late, failed, waited)
+            raise
+        return staged
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int | float]]:

@@ -8,6 +8,12 @@ holds its own reference to every object until its copies have finished, so a cal
 mid-transfer may drop its references at once. Order with the engine's compute: a gather reads KV
 the engine's current stream has written; after a scatter returns, work the engine queues on its
 current stream sees the new KV.
+
+Layerwise: ``gather(..., layers=..., after=event)`` copies only the given model layers (indexes
+into the registration order, `KVCacheLayout.layer_names`), ordered after ``event`` (recorded on
+the stream that wrote them) instead of the current stream. `scatter_layerwise` enqueues a
+scatter ordered layer by layer across all its chunks and returns a `LayerLoad` at once: the
+caller waits per layer (`LayerLoad.wait_layer`) instead of for the whole call.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
@@ -34,20 +41,88 @@ class ChunkTransfer:
             )
 
 
+class LayerLoad(abc.ABC):
+    """A layerwise scatter in flight: one completion point per model layer.
+
+    Created by `KVMover.scatter_layerwise` with every copy already enqueued. `wait_layer` may be
+    called from any thread (it only orders a stream, or blocks the calling thread on CPU
+    caches); `wait` belongs to the loop that started the load. The mover holds its own
+    references to the objects until every copy has finished.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+
+    def _check(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    @abc.abstractmethod
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Order ``stream`` (default: the current stream of the caches' device) after layer
+        ``layer``'s copies: a GPU-side wait, no host sync. On CPU caches the calling thread
+        blocks until that layer is copied."""
+
+    def wait_all(self, stream: Any = None) -> None:
+        """`wait_layer` for every layer."""
+        for layer in range(self.num_layers):
+            self.wait_layer(layer, stream)
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Every copy finished (or failed) and the mover's references are dropped."""
+
+    @abc.abstractmethod
+    async def wait(self) -> None:
+        """Until `done`; raises `TieredKVError` when a copy failed. Cancelling the waiter leaves
+        the load running to its end."""
+
+
+class FinishedLayerLoad(LayerLoad):
+    """A load whose copies have all finished, and ordered the caller's stream after them."""
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        self._check(layer)
+
+    def done(self) -> bool:
+        return True
+
+    async def wait(self) -> None:
+        return None
+
+
 class KVMover(abc.ABC):
     name: str
 
     @abc.abstractmethod
     async def gather(
-        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+        self,
+        layout: KVCacheLayout,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+        *,
+        layers: Sequence[int] | None = None,
+        after: Any = None,
     ) -> None:
-        """Paged caches → host objects."""
+        """Paged caches → host objects: every layer, or only ``layers`` (model layer indexes),
+        ordered after the event ``after`` when given (CUDA), else after the current stream."""
 
     @abc.abstractmethod
     async def scatter(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:
         """Host objects → paged caches, skipping each transfer's first ``skip_tokens``."""
+
+    async def scatter_layerwise(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerLoad:
+        """`scatter`, ordered layer by layer across all ``transfers`` (layer 0 of every chunk,
+        then layer 1, ...); returns once every copy is enqueued, ordered after the current
+        stream. Nothing orders the caller's stream after the copies: `LayerLoad.wait_layer`
+        does, per layer. This default (for movers without per-layer completion) scatters whole
+        and returns a load whose layers are all ready."""
+        await self.scatter(layout, block_ids, transfers)
+        return FinishedLayerLoad(layout.num_layers)
 
     def prepare(self, layout: KVCacheLayout) -> None:  # noqa: B027 - optional hook
         """Called when caches are registered: do here what would otherwise stall the first
@@ -66,3 +141,27 @@ class KVMover(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release streams, threads and buffers."""
+
+
+def layer_places(layout: KVCacheLayout) -> tuple[tuple[int, int], ...]:
+    """Model layer index → (group index, the layer's index inside its group)."""
+    places: dict[int, tuple[int, int]] = {}
+    for group in layout.groups:
+        for local, layer in enumerate(group.layer_indices):
+            places[layer] = (group.index, local)
+    return tuple(places[layer] for layer in range(layout.num_layers))
+
+
+def check_layers(layout: KVCacheLayout, layers: Sequence[int] | None) -> tuple[int, ...]:
+    """``layers`` (or every layer) as a tuple of distinct, in-range model layer indexes."""
+    if layers is None:
+        return tuple(range(layout.num_layers))
+    out = tuple(layers)
+    if len(set(out)) != len(out) or any(
+        isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layout.num_layers
+        for layer in out
+    ):
+        raise ValueError(
+            f"layers: expected distinct ints in [0, {layout.num_layers}), got {list(out)[:8]}"
+        )
+    return out

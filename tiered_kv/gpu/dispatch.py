@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
-from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout
 
@@ -50,14 +51,27 @@ class DeviceMover(KVMover):
                 mover.forget(layout)
 
     async def gather(
-        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+        self,
+        layout: KVCacheLayout,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+        *,
+        layers: Sequence[int] | None = None,
+        after: Any = None,
     ) -> None:
-        await self.mover_for(layout).gather(layout, block_ids, transfers)
+        await self.mover_for(layout).gather(
+            layout, block_ids, transfers, layers=layers, after=after
+        )
 
     async def scatter(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:
         await self.mover_for(layout).scatter(layout, block_ids, transfers)
+
+    async def scatter_layerwise(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerLoad:
+        return await self.mover_for(layout).scatter_layerwise(layout, block_ids, transfers)
 
     def stats(self) -> dict[str, int | float]:
         """Totals under the common names (``bytes_gathered``, ``gather_seconds``, ...) plus

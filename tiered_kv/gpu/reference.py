@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
-from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.errors import TieredKVError
+from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, check_layers
 from tiered_kv.layout import KVCacheLayout, LayerGroup
 
 
@@ -30,20 +33,34 @@ def _slots(
     return block_ids[positions // layout.block_size], positions % layout.block_size
 
 
-def gather_chunk(layout: KVCacheLayout, block_ids: torch.Tensor, transfer: ChunkTransfer) -> None:
-    """Copy one chunk's tokens from every group into ``transfer.obj`` (synchronous)."""
+def gather_chunk(
+    layout: KVCacheLayout,
+    block_ids: torch.Tensor,
+    transfer: ChunkTransfer,
+    layers: Collection[int] | None = None,
+) -> None:
+    """Copy one chunk's tokens from every group (or only model ``layers``) into ``transfer.obj``
+    (synchronous)."""
     obj = transfer.obj
     blocks, offsets = _slots(layout, block_ids, transfer.token_start, obj.num_tokens)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
         for i, kv in enumerate(group.kv_views):
+            if layers is not None and group.layer_indices[i] not in layers:
+                continue
             for k, view in enumerate(kv):
                 rows = _byte_view(view)[blocks, offsets]
                 host[i, k].copy_(rows.reshape(obj.num_tokens, -1), non_blocking=False)
 
 
-def scatter_chunk(layout: KVCacheLayout, block_ids: torch.Tensor, transfer: ChunkTransfer) -> None:
-    """Write one chunk's tokens, after its ``skip_tokens``, into every group (synchronous)."""
+def scatter_chunk(
+    layout: KVCacheLayout,
+    block_ids: torch.Tensor,
+    transfer: ChunkTransfer,
+    layers: Collection[int] | None = None,
+) -> None:
+    """Write one chunk's tokens, after its ``skip_tokens``, into every group (or only model
+    ``layers``) (synchronous)."""
     obj = transfer.obj
     skip = transfer.skip_tokens
     count = obj.num_tokens - skip
@@ -54,6 +71,8 @@ def scatter_chunk(layout: KVCacheLayout, block_ids: torch.Tensor, transfer: Chun
         host = obj.group_bytes(group.index)
         shape = _row_shape(group)
         for i, kv in enumerate(group.kv_views):
+            if layers is not None and group.layer_indices[i] not in layers:
+                continue
             for k, view in enumerate(kv):
                 rows = host[i, k, skip:].to(view.device, non_blocking=False)
                 _byte_view(view).index_put_((blocks, offsets), rows.view(count, *shape))
@@ -78,49 +97,108 @@ class TorchMover(KVMover):
         self.scatter_seconds = 0.0
 
     async def gather(
-        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+        self,
+        layout: KVCacheLayout,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+        *,
+        layers: Sequence[int] | None = None,
+        after: Any = None,
     ) -> None:
-        seconds = await self._run(layout, block_ids, transfers, gather_chunk)
+        selected = None if layers is None else frozenset(check_layers(layout, layers))
+
+        def copy(layout: KVCacheLayout, ids: torch.Tensor, transfer: ChunkTransfer) -> None:
+            gather_chunk(layout, ids, transfer, selected)
+
+        seconds = await self._run(layout, block_ids, transfers, copy, after=after)
         self.gather_seconds += seconds
-        self.bytes_gathered += sum(t.obj.nbytes for t in transfers)
+        share = 1.0 if selected is None else len(selected) / layout.num_layers
+        self.bytes_gathered += int(sum(t.obj.nbytes for t in transfers) * share)
 
     async def scatter(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> None:
+        """Copies on the worker thread; on CUDA caches its stream waits for the caller's."""
         seconds = await self._run(layout, block_ids, transfers, scatter_chunk)
         self.scatter_seconds += seconds
         self.bytes_scattered += sum(
             t.obj.nbytes * (t.obj.num_tokens - t.skip_tokens) // t.obj.num_tokens for t in transfers
         )
 
+    async def scatter_layerwise(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerLoad:
+        """Runs on the worker thread layer by layer; each layer's completion is a host flag
+        (CPU caches) or a CUDA event recorded on the worker's stream (CUDA caches)."""
+        load = _ThreadLayerLoad(layout)
+
+        def copy_layers(ids: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+            for layer in range(layout.num_layers):
+                only = frozenset((layer,))
+                for transfer in transfers:
+                    scatter_chunk(layout, ids, transfer, only)
+                load.layer_copied(layer, stream)
+
+        load.future = asyncio.ensure_future(
+            self._run(layout, block_ids, transfers, None, layerwise=copy_layers, on_exit=load.end)
+        )
+        self.bytes_scattered += sum(
+            t.obj.nbytes * (t.obj.num_tokens - t.skip_tokens) // t.obj.num_tokens for t in transfers
+        )
+        if not transfers:
+            load.end(None)
+        await asyncio.sleep(0)  # the worker has the job: the caller may wait per layer now
+        return load
+
     async def _run(
         self,
         layout: KVCacheLayout,
         block_ids: Sequence[int],
         transfers: Sequence[ChunkTransfer],
-        copy_one: Callable[[KVCacheLayout, torch.Tensor, ChunkTransfer], None],
+        copy_one: Callable[[KVCacheLayout, torch.Tensor, ChunkTransfer], None] | None,
+        *,
+        after: Any = None,
+        layerwise: Callable[[torch.Tensor, torch.cuda.Stream | None], None] | None = None,
+        on_exit: Callable[[BaseException | None], None] | None = None,
     ) -> float:
         if not transfers:
             return 0.0
         loop = asyncio.get_running_loop()
         ready: torch.cuda.Event | None = None
         if layout.device.type == "cuda":
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(torch.cuda.current_stream(layout.device))
+            if after is not None:
+                ready = after
+            else:
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(torch.cuda.current_stream(layout.device))
+
+        def copy_all(ids: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+            if layerwise is not None:
+                layerwise(ids, stream)
+                return
+            assert copy_one is not None
+            for transfer in transfers:
+                copy_one(layout, ids, transfer)
 
         def work() -> float:
             start = time.perf_counter()
-            ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=layout.device)
-            if ready is None:
-                for transfer in transfers:
-                    copy_one(layout, ids, transfer)
-            else:
-                stream = self._stream(layout.device)
-                stream.wait_event(ready)
-                with torch.cuda.stream(stream):
-                    for transfer in transfers:
-                        copy_one(layout, ids, transfer)
-                stream.synchronize()
+            error: BaseException | None = None
+            try:
+                ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=layout.device)
+                if ready is None:
+                    copy_all(ids, None)
+                else:
+                    stream = self._stream(layout.device)
+                    stream.wait_event(ready)
+                    with torch.cuda.stream(stream):
+                        copy_all(ids, stream)
+                    stream.synchronize()
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                if on_exit is not None:
+                    on_exit(error)
             return time.perf_counter() - start
 
         held = [t.obj.ref() for t in transfers]
@@ -155,3 +233,56 @@ class TorchMover(KVMover):
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+
+class _ThreadLayerLoad(LayerLoad):
+    """`TorchMover`'s layerwise load: the worker thread marks each layer as it finishes it
+    (CPU caches) or records that layer's CUDA event on its stream (CUDA caches)."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        super().__init__(layout.num_layers)
+        self._cuda = layout.device.type == "cuda"
+        self._device = layout.device
+        self._marked = [threading.Event() for _ in range(layout.num_layers)]
+        self._events: list[torch.cuda.Event | None] = [None] * layout.num_layers
+        self._error: BaseException | None = None
+        self.future: asyncio.Future[float] | None = None
+
+    def layer_copied(self, layer: int, stream: torch.cuda.Stream | None) -> None:
+        """Worker thread: layer ``layer`` is copied (CPU) or enqueued on ``stream`` (CUDA)."""
+        if stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            self._events[layer] = event
+        self._marked[layer].set()
+
+    def end(self, error: BaseException | None) -> None:
+        """Worker thread, last: releases every waiter, failed or not."""
+        self._error = error
+        for marked in self._marked:
+            marked.set()
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        self._check(layer)
+        self._marked[layer].wait()
+        event = self._events[layer]
+        if event is None:
+            if self._error is not None:
+                raise TieredKVError(f"layerwise load failed before layer {layer}: {self._error}")
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)
+        stream.wait_event(event)
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    async def wait(self) -> None:
+        if self.future is None:
+            return
+        try:
+            await asyncio.shield(self.future)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise TieredKVError(f"layerwise load failed: {exc}") from exc

@@ -1,0 +1,95 @@
+"""CUDA events of `CudaMover`'s calls: what orders a call after its caller, times it, and
+tells its completion, per call (`CallBuffers`) and per layer (`CudaLayerLoad`).
+
+Owns the pinned/device block table of a call and its ready/begun/done events (pooled per
+device), and a layerwise load's per-layer events. Enqueues nothing but event records, waits and
+the block table's upload.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.errors import LayoutError, TieredKVError
+from tiered_kv.gpu.base import LayerLoad
+from tiered_kv.gpu.kernels import check_driver
+
+
+class CallBuffers:
+    """What one call owns until the GPU is done with it: its block table (pinned host copy and
+    device copy) and its timing events. Pooled per device, so a call allocates nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.capacity = 0
+        self.host_ids = torch.empty(0, dtype=torch.int32)
+        self.device_ids = torch.empty(0, dtype=torch.int32, device=device)
+        self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.begun = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self.done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+    def reserve(self, count: int) -> None:
+        """Room for ``count`` block ids (only while the buffers are not in a call's use)."""
+        if count > self.capacity:
+            self.capacity = max(count, 2 * self.capacity, 1024)
+            self.host_ids = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
+            self.device_ids = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
+
+    def upload_ids(self, block_ids: Sequence[int], stream: Any) -> int:
+        """Queue the block table's copy to the device on ``stream``; returns its device address.
+        The pinned source stays untouched until the call completes (the buffers are the call's)."""
+        from cuda.bindings import driver
+
+        try:
+            ids = array.array("i", block_ids)
+        except OverflowError as exc:
+            raise LayoutError(f"block ids must fit in int32: {exc}") from None
+        self.reserve(len(ids))
+        nbytes = len(ids) * ids.itemsize
+        ctypes.memmove(self.host_ids.data_ptr(), ids.buffer_info()[0], nbytes)
+        check_driver(
+            driver.cuMemcpyHtoDAsync(
+                self.device_ids.data_ptr(), self.host_ids.data_ptr(), nbytes, stream
+            ),
+            "cuMemcpyHtoDAsync(block ids)",
+        )
+        return self.device_ids.data_ptr()
+
+
+class CudaLayerLoad(LayerLoad):
+    """A layerwise scatter on the load streams: ``events[i]`` is recorded after the last copy of
+    model layer ``i`` (every event is recorded before the load is handed to its caller), and
+    ``result`` resolves when the waiter has seen the whole call finish."""
+
+    def __init__(self, device: torch.device, num_layers: int) -> None:
+        super().__init__(num_layers)
+        self.device = device
+        self.events = [torch.cuda.Event() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
+        self.result: asyncio.Future[float] | None = None
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        self._check(layer)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.events[layer])
+
+    def done(self) -> bool:
+        return self.result is None or self.result.done()
+
+    async def wait(self) -> None:
+        if self.result is None:
+            return
+        try:
+            await asyncio.shield(self.result)
+        except asyncio.CancelledError:
+            raise
+        except TieredKVError:
+            raise
+        except Exception as exc:  # pragma: no cover - results carry TieredKVError
+            raise TieredKVError(f"layerwise load failed: {exc}") from exc

@@ -1,0 +1,295 @@
+"""Copy plans for `CudaMover`: what to move, in what order, with which vector width.
+
+Owns: each layer group's byte strides, copy width and device table of layer pointers
+(`GroupPlan`), the path chosen per layout (`choose_path`), how a call's chunks and layers are
+packed into staging fills (`slot_fills`: chunk-major for whole calls, layer-major for layerwise
+ones) and the contiguous runs of the DMA-only path (`runs`). Pure planning: it enqueues nothing
+and, but for the pointer table it uploads, touches no GPU state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.gpu.base import ChunkTransfer, layer_places
+from tiered_kv.gpu.kernels import COPY_WIDTHS
+from tiered_kv.layout import KVCacheLayout, LayerGroup
+from tiered_kv.memory import MemoryObj
+
+PATHS = ("staging", "mapped", "dma")
+MAX_JOBS = 32  # TKV_MAX_JOBS in cuda_src/tkv_copy.cu
+JOB_MAX_BYTES = 1 << 30
+RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `slot_fills`
+# `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
+# below it the copy engines spend their time on descriptors. Measured (bench/transfer.py, H100,
+# 32-chunk calls, whole-block runs): DMA reached 58% / 79% / 90% of the PCIe ceiling with 64 KiB /
+# 256 KiB / 1 MiB runs, while staging reached 97-98% for each, so DMA stays off up to there.
+DMA_MIN_RUN_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class GroupPlan:
+    """How to move one layer group: strides in bytes, vector width, device pointer table."""
+
+    group: LayerGroup
+    width: int
+    host_ptrs: tuple[int, ...]  # [L * K] paged base addresses, layer-major
+    layer_ptrs: torch.Tensor  # the same, int64 on the device (the kernel's table)
+    block_stride: int
+    pos_stride: int
+    head_stride: int
+    head_bytes: int
+    row_bytes: int
+    num_heads: int
+    kv_count: int
+    num_layers: int
+    # Where a block's rows are contiguous (NHD-like) and that allows a wider vector: the same
+    # group seen with one row per block (block_size x row_bytes bytes), for jobs whose token
+    # ranges fall on block boundaries. 132-byte int8 rows copy at 16 bytes instead of 4.
+    block_rows: GroupPlan | None = None
+
+    def slab_bytes(self, num_layers: int, num_tokens: int) -> int:
+        return num_layers * self.kv_count * num_tokens * self.row_bytes
+
+
+def group_plan(group: LayerGroup, device: torch.device) -> GroupPlan:
+    """Byte strides, copy width and pointer table of one layer group."""
+    s = group.strides
+    item = group.host.dtype.itemsize
+    ptrs = tuple(p for layer in group.kv_pointers() for p in layer)
+    head_bytes = s.head_size * item
+    row_bytes = group.host.row_bytes
+    strides = (s.block_stride * item, s.pos_stride * item, s.head_stride * item)
+    plan = GroupPlan(
+        group=group,
+        width=copy_width(head_bytes, *strides, *ptrs),
+        host_ptrs=ptrs,
+        layer_ptrs=torch.tensor(ptrs, dtype=torch.int64, device=device),
+        block_stride=strides[0],
+        pos_stride=strides[1],
+        head_stride=strides[2],
+        head_bytes=head_bytes,
+        row_bytes=row_bytes,
+        num_heads=s.num_heads,
+        kv_count=group.host.kv_count,
+        num_layers=group.host.num_layers,
+    )
+    block_row = s.block_size * row_bytes
+    if (s.num_heads == 1 or strides[2] == head_bytes) and strides[1] == row_bytes:
+        width = copy_width(block_row, strides[0], *ptrs)
+        if width > plan.width:
+            block_rows = dataclasses.replace(
+                plan,
+                width=width,
+                pos_stride=strides[0],
+                head_stride=block_row,
+                head_bytes=block_row,
+                row_bytes=block_row,
+                num_heads=1,
+            )
+            plan = dataclasses.replace(plan, block_rows=block_rows)
+    return plan
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class LayoutPlan:
+    layout: KVCacheLayout  # keeps the layout (and its tensors) alive while the plan is cached
+    groups: tuple[GroupPlan, ...]
+    path: str
+    # Bytes of the largest one-layer slab of a chunk: no staging slot may be smaller.
+    largest_layer: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        chunk = self.layout.layout_desc.chunk_size
+        object.__setattr__(self, "largest_layer", max(g.slab_bytes(1, chunk) for g in self.groups))
+
+
+def copy_width(*values: int) -> int:
+    """The widest copy width in `COPY_WIDTHS` dividing every value (sizes, strides, addresses)."""
+    for width in COPY_WIDTHS:
+        if all(value % width == 0 for value in values):
+            return width
+    return 1
+
+
+def choose_path(layout: KVCacheLayout, requested: str = "auto") -> str:
+    """``auto``: DMA only when every group's rows are contiguous over a whole block (NHD-like), so
+    a chunk is a few long runs; otherwise staging, which reaches the DMA ceiling for any layout
+    while using few SMs. The mapped path is never the default: it competes with the model for
+    SMs for the whole transfer (bench/transfer.py measures the matmul slowdown)."""
+    if requested != "auto":
+        return requested
+    for group in layout.groups:
+        s = group.strides
+        item = group.host.dtype.itemsize
+        row = s.num_heads * s.head_size * item
+        block_run = s.block_size * row
+        contiguous = s.head_stride == s.head_size and s.pos_stride * item == row
+        if not contiguous or block_run < DMA_MIN_RUN_BYTES:
+            return "staging"
+    return "dma"
+
+
+def moved_bytes(
+    plan: LayoutPlan, transfer: ChunkTransfer, to_host: bool, layers: Sequence[int] | None = None
+) -> int:
+    """Bytes a transfer moves: a scatter skips its first ``skip_tokens``; ``layers`` (model
+    layer indexes) restricts it to those layers."""
+    obj = transfer.obj
+    tokens = obj.num_tokens if to_host else obj.num_tokens - transfer.skip_tokens
+    if layers is None:
+        return obj.nbytes * tokens // obj.num_tokens
+    places = layer_places(plan.layout)
+    return sum(plan.groups[places[layer][0]].slab_bytes(1, tokens) for layer in layers)
+
+
+def group_offset(obj: MemoryObj, group: GroupPlan) -> int:
+    return obj.layout.group_offsets(obj.num_tokens)[group.group.index]
+
+
+def batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Fill:
+    """One staging slot's worth of one group: (chunk, layer range) pieces, one launch plus its
+    DMAs. ``completes``: model layers whose last piece is in this fill (layer-major order)."""
+
+    group: GroupPlan
+    pieces: list[tuple[ChunkTransfer, int, int]] = dataclasses.field(default_factory=list)
+    completes: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+
+def slot_fills(
+    plan: LayoutPlan,
+    transfers: Sequence[ChunkTransfer],
+    slot_bytes: int,
+    *,
+    ramp_up: bool,
+    layers: Sequence[int] | None = None,
+) -> Iterator[Fill]:
+    """Pack (chunk, layer range) pieces of one group at a time into staging slots: each fill is
+    at most ``slot_bytes`` and `MAX_JOBS` pieces. Without ``layers`` the order is chunk-major
+    per group (every layer of chunk 0, then of chunk 1, ...); with ``layers`` (model layer
+    indexes) it is layer-major: that layer of every chunk, then the next layer, each fill
+    saying which layers it completes. The part of a call that nothing overlaps is kept short:
+    a gather (kernel, then DMA) ramps up, its first fills 1/8, 1/4 and 1/2 of a slot, so the
+    first DMA starts early; a scatter (DMA, then kernel) ramps down, each fill of the last
+    slot's worth taking half of what is left (down to 1/8 of a slot), so the last kernel is
+    short."""
+    pieces = list(_pieces(plan, transfers, layers))
+    fills = 0
+    remaining = 0
+    if not ramp_up:
+        remaining = sum(g.slab_bytes(l1 - l0, t.obj.num_tokens) for g, t, l0, l1, _ in pieces)
+    cap = 0
+
+    def capacity() -> int:
+        if ramp_up:
+            return slot_bytes >> max(0, RAMP_STEPS - fills)
+        if remaining > slot_bytes:
+            return slot_bytes
+        return max(slot_bytes >> RAMP_STEPS, remaining // 2)
+
+    fill: Fill | None = None
+    for group, transfer, l0, l1, completes in pieces:
+        per_layer = group.slab_bytes(1, transfer.obj.num_tokens)
+        if per_layer > slot_bytes:
+            raise ValueError(f"staging slot of {slot_bytes} bytes < one layer's {per_layer}")
+        if fill is not None and fill.group is not group:
+            yield fill
+            fills += 1
+            remaining -= fill.nbytes
+            fill = None
+        layer = l0
+        while layer < l1:
+            if fill is None:
+                fill = Fill(group)
+                cap = capacity()
+            room = (max(cap, per_layer) - fill.nbytes) // per_layer
+            if room <= 0 or len(fill.pieces) == MAX_JOBS:
+                yield fill
+                fills += 1
+                remaining -= fill.nbytes
+                fill = None
+                continue
+            end = min(l1, layer + room)
+            fill.pieces.append((transfer, layer, end))
+            fill.nbytes += (end - layer) * per_layer
+            layer = end
+        if completes is not None and fill is not None:
+            fill.completes.append(completes)
+    if fill is not None:
+        yield fill
+
+
+def _pieces(
+    plan: LayoutPlan, transfers: Sequence[ChunkTransfer], layers: Sequence[int] | None
+) -> Iterator[tuple[GroupPlan, ChunkTransfer, int, int, int | None]]:
+    """(group, chunk, first layer, end layer, model layer completed by this piece or None)."""
+    if layers is None:
+        for group in plan.groups:
+            for transfer in transfers:
+                yield group, transfer, 0, group.num_layers, None
+        return
+    places = layer_places(plan.layout)
+    for layer in layers:
+        index, local = places[layer]
+        group = plan.groups[index]
+        for i, transfer in enumerate(transfers):
+            yield group, transfer, local, local + 1, layer if i == len(transfers) - 1 else None
+
+
+def runs(
+    group: GroupPlan,
+    block_size: int,
+    block_ids: Sequence[int],
+    transfer: ChunkTransfer,
+    t_begin: int,
+) -> list[tuple[int, int, int]]:
+    """Maximal (paged offset, host offset, bytes) runs contiguous on both sides, for one
+    (layer, K/V) of one chunk; the same for every layer of the group. Walks block segments, so
+    NHD costs one step per block, not per token."""
+    head_bytes, row = group.head_bytes, group.row_bytes
+    rows_contiguous = group.head_stride == head_bytes
+    tokens_contiguous = rows_contiguous and group.pos_stride == row
+    runs: list[list[int]] = []
+
+    def add(paged: int, host: int, nbytes: int) -> None:
+        if runs:
+            last = runs[-1]
+            if last[0] + last[2] == paged and last[1] + last[2] == host:
+                last[2] += nbytes
+                return
+        runs.append([paged, host, nbytes])
+
+    t = t_begin
+    end = transfer.obj.num_tokens
+    while t < end:
+        pos = transfer.token_start + t
+        in_block = pos % block_size
+        count = min(block_size - in_block, end - t)
+        base = int(block_ids[pos // block_size]) * group.block_stride
+        if tokens_contiguous:
+            add(base + in_block * group.pos_stride, t * row, count * row)
+        else:
+            for i in range(count):
+                paged = base + (in_block + i) * group.pos_stride
+                if rows_contiguous:
+                    add(paged, (t + i) * row, row)
+                else:
+                    for h in range(group.num_heads):
+                        add(
+                            paged + h * group.head_stride,
+                            (t + i) * row + h * head_bytes,
+                            head_bytes,
+                        )
+        t += count
+    return [(run[0], run[1], run[2]) for run in runs]

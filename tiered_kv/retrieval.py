@@ -1,0 +1,315 @@
+"""Retrieve orchestration: deliver a request's cached prefix from L1 into its GPU blocks.
+
+Owns one retrieve call from validated arguments to `RetrieveResult`: walking the request's
+chunks in order, taking each from L1 or from the prefetch that loads it (waiting as the prefetch
+policy allows, reserving a load for a chunk no prefetch covers), and handing the chunks to the
+mover, either whole (scattered in batches as they become ready, so delivering a prefix never
+needs more L1 room than one batch plus the loads in flight) or layerwise (every chunk resolved
+first, then one layer-major scatter whose layers the caller waits for one by one). Must not
+validate arguments (the engine does) nor touch bytes (the mover does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from tiered_kv.errors import EngineStateError
+from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, LayerLoad
+from tiered_kv.keys import ChunkKey
+from tiered_kv.layout import KVCacheLayout
+from tiered_kv.memory import MemoryObj
+from tiered_kv.prefetch import PrefetchController, PrefetchHandle
+from tiered_kv.storage import StorageManager
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetrieveResult:
+    """What `retrieve_detailed` delivered, and why it stopped.
+
+    valid_tokens: end of the valid prefix in the request's blocks (what `retrieve` returns).
+    cached_tokens: end of the prefix the tiers held when retrieve stopped (>= valid_tokens);
+        ``cached_tokens - valid_tokens`` tokens were cached but not delivered: the serving
+        engine recomputes them.
+    stop_reason: "complete" (every chunk of the request), "gap" (the cached prefix ends),
+        "late" (a chunk was still loading when the policy's budget ran out), "failed" (a
+        load failed: a miss) or "no_space" (L1 had no unreferenced room for a load).
+    late_chunks: chunk indexes not delivered because of the policy (the first late one and the
+        cached chunks after it).
+    failed_chunks: chunk indexes whose load failed.
+    waited_s: time spent waiting for loads.
+    """
+
+    valid_tokens: int
+    cached_tokens: int
+    stop_reason: str
+    policy: str
+    late_chunks: tuple[int, ...] = ()
+    failed_chunks: tuple[int, ...] = ()
+    waited_s: float = 0.0
+
+    @property
+    def recompute_tokens(self) -> int:
+        """Cached tokens that were not delivered (late, failed or no room)."""
+        return self.cached_tokens - self.valid_tokens
+
+
+class LayerwiseRetrieve:
+    """A layerwise retrieve whose chunks are decided (`result`) and whose copies are enqueued.
+
+    ``wait_layer(i)`` orders a stream after layer ``i`` of every delivered chunk (GPU-side; on
+    CPU caches it blocks until that layer is copied); ``await wait()`` until every copy is done.
+    Layers are the registration order of the caches (`KVCacheLayout.layer_names`).
+    """
+
+    def __init__(self, result: RetrieveResult, load: LayerLoad) -> None:
+        self.result = result
+        self._load = load
+
+    @property
+    def num_layers(self) -> int:
+        return self._load.num_layers
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        self._load.wait_layer(layer, stream)
+
+    def wait_all(self, stream: Any = None) -> None:
+        self._load.wait_all(stream)
+
+    def done(self) -> bool:
+        return self._load.done()
+
+    async def wait(self) -> None:
+        await self._load.wait()
+
+
+class RetrieveCounters(Protocol):
+    """The engine counters a retrieve adds to."""
+
+    retrieved_tokens: int
+    retrieved_chunks: int
+    retrieve_scatter_batches: int
+    retrieve_waited_seconds: float
+    retrieve_late_tokens: int
+    retrieve_failed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetrieveRequest:
+    """A retrieve call's validated arguments. ``handle`` covers chunks from ``first`` on (the
+    lookup's prefetch, or one started for this call); ``chunk_tokens(i)`` is chunk i's length."""
+
+    layout: KVCacheLayout
+    keys: Sequence[ChunkKey]
+    block_ids: Sequence[int]
+    num_tokens: int
+    skip_prefix_tokens: int
+    first: int
+    policy: str
+    handle: PrefetchHandle
+    chunk_size: int
+    chunk_tokens: Callable[[int], int]
+    timeout_base_s: float
+    timeout_per_1k_tokens_s: float
+    batch_chunks: int
+
+
+class Retriever:
+    """Runs retrieve calls against one engine's storage, prefetch controller and mover."""
+
+    def __init__(
+        self,
+        storage: StorageManager,
+        controller: PrefetchController,
+        mover: KVMover,
+        counters: RetrieveCounters,
+    ) -> None:
+        self._storage = storage
+        self._controller = controller
+        self._mover = mover
+        self._counters = counters
+
+    async def whole(self, request: RetrieveRequest) -> RetrieveResult:
+        """Scatter chunks in batches as they become ready; the caller's stream is ordered after
+        every copy when this returns."""
+        batch: list[ChunkTransfer] = []
+        delivered = request.skip_prefix_tokens
+
+        async def flush() -> None:
+            nonlocal delivered
+            if not batch:
+                return
+            await self._mover.scatter(request.layout, request.block_ids, batch)
+            last = batch[-1]
+            delivered = max(delivered, last.token_start + last.obj.num_tokens)
+            self._counters.retrieved_chunks += len(batch)
+            self._counters.retrieve_scatter_batches += 1
+            for transfer in batch:
+                transfer.obj.unref()
+            batch.clear()
+
+        async def add(transfer: ChunkTransfer) -> None:
+            batch.append(transfer)
+            if len(batch) >= request.batch_chunks:
+                await flush()
+
+        try:
+            walk = await self._walk(request, add, flush)
+            await flush()
+        finally:
+            for transfer in batch:
+                transfer.obj.unref()
+            batch.clear()
+        return self._finish(request, walk, delivered)
+
+    async def layerwise(self, request: RetrieveRequest) -> LayerwiseRetrieve:
+        """Decide every chunk first (waiting for loads per the policy), then enqueue one
+        layer-major scatter of them all; returns with the result before any layer is ready."""
+        taken: list[ChunkTransfer] = []
+
+        async def add(transfer: ChunkTransfer) -> None:
+            taken.append(transfer)
+
+        async def keep() -> None:
+            """Layer-major needs every chunk at once: nothing to give back early."""
+
+        load: LayerLoad = FinishedLayerLoad(request.layout.num_layers)
+        delivered = request.skip_prefix_tokens
+        try:
+            walk = await self._walk(request, add, keep)
+            if taken:
+                load = await self._mover.scatter_layerwise(request.layout, request.block_ids, taken)
+                last = taken[-1]
+                delivered = last.token_start + last.obj.num_tokens
+                self._counters.retrieved_chunks += len(taken)
+                self._counters.retrieve_scatter_batches += 1
+        finally:
+            for transfer in taken:  # the mover holds its own references while it copies
+                transfer.obj.unref()
+        return LayerwiseRetrieve(self._finish(request, walk, delivered), load)
+
+    async def _walk(
+        self,
+        request: RetrieveRequest,
+        add: Callable[[ChunkTransfer], Any],
+        make_room: Callable[[], Any],
+    ) -> _Walk:
+        """Take chunks from ``request.first`` on, in order, until one is missing, late, failed
+        or has no room; each taken chunk (a held L1 object) goes to ``add``. ``make_room`` is
+        awaited before waiting for or reserving a load, so the caller can drop references."""
+        storage, controller, handle = self._storage, self._controller, request.handle
+        keys = request.keys
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline: float | None
+        if request.policy == "best_effort":
+            deadline = started
+        elif request.policy == "wait_complete":
+            deadline = None
+        else:
+            first = request.first
+            loading = sum(
+                request.chunk_tokens(i)
+                for i in range(first, first + storage.prefix_hits(keys[first:]))
+                if not storage.in_l1(keys[i])
+            )
+            deadline = started + (
+                request.timeout_base_s + request.timeout_per_1k_tokens_s * loading / 1000
+            )
+        walk = _Walk(index=request.first)
+        desc = request.layout.layout_desc
+        try:
+            while walk.index < len(keys):
+                index = walk.index
+                key = keys[index]
+                tokens = request.chunk_tokens(index)
+                slot = handle.slot(index)
+                obj: MemoryObj | None = None
+                if slot is None or not slot.held:
+                    obj = storage.get_l1(key)
+                    if obj is None:
+                        tiers = storage.lower_holding(key)
+                        if not tiers:
+                            walk.stop_reason = "gap"
+                            break
+                        if deadline is not None and loop.time() >= deadline:
+                            walk.stop_reason = "late"
+                            break
+                        await make_room()  # our own references must not crowd out the load
+                        got = controller.reserve(key, tiers, desc, tokens, budgeted=False)
+                        if isinstance(got, str):
+                            walk.stop_reason = "no_space"
+                            break
+                        slot = handle.add_slot(index, key, tokens, got)
+                if obj is None:
+                    load = None if slot is None else slot.load
+                    if slot is None or load is None:  # unreachable: reserved just above
+                        raise EngineStateError(f"retrieve: chunk {index} has no reservation")
+                    had_to_wait = False
+                    if not load.finished() and load.task is not None:
+                        remaining = None if deadline is None else deadline - loop.time()
+                        if remaining is not None and remaining <= 0:
+                            walk.stop_reason = "late"
+                            break
+                        await make_room()
+                        before = loop.time()
+                        await asyncio.wait([load.task], timeout=remaining)
+                        walk.waited += loop.time() - before
+                        had_to_wait = True
+                        if not load.finished():
+                            walk.stop_reason = "late"
+                            break
+                    obj = handle.take(slot, waited=had_to_wait)
+                    if obj is None:
+                        walk.stop_reason = "failed"
+                        walk.failed = (index,)
+                        break
+                storage.record_hit(key, obj)
+                start = index * request.chunk_size
+                skip = max(0, request.skip_prefix_tokens - start)
+                walk.index += 1
+                await add(ChunkTransfer(obj, start, skip))
+        finally:
+            if walk.stop_reason == "failed":
+                handle.cancel()  # loading past a miss is wasted work
+            else:
+                handle.release_unused()  # late loads finish into L1 for the next request
+        return walk
+
+    def _finish(self, request: RetrieveRequest, walk: _Walk, delivered: int) -> RetrieveResult:
+        storage, keys = self._storage, request.keys
+        chunk_size, num_tokens = request.chunk_size, request.num_tokens
+        if walk.stop_reason in ("complete", "gap"):
+            cached_end = delivered
+        else:
+            cached_chunks = walk.index + max(1, storage.prefix_hits(keys[walk.index :]))
+            cached_end = max(delivered, min(cached_chunks * chunk_size, num_tokens))
+        late: tuple[int, ...] = ()
+        if walk.stop_reason == "late":
+            late = tuple(range(walk.index, -(-cached_end // chunk_size)))
+            self._counters.retrieve_late_tokens += cached_end - delivered
+        elif walk.stop_reason == "failed":
+            self._counters.retrieve_failed_tokens += cached_end - delivered
+        self._counters.retrieved_tokens += delivered - request.skip_prefix_tokens
+        self._counters.retrieve_waited_seconds += walk.waited
+        return RetrieveResult(
+            delivered,
+            cached_end,
+            walk.stop_reason,
+            request.policy,
+            late,
+            walk.failed,
+            walk.waited,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class _Walk:
+    """Where a walk over a request's chunks stopped: the first chunk not taken, and why."""
+
+    index: int
+    stop_reason: str = "complete"
+    failed: tuple[int, ...] = ()
+    waited: float = 0.0
