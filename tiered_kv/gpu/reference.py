@@ -134,9 +134,7 @@ class TorchMover(KVMover):
 
         def copy_layers(ids: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
             for layer in range(layout.num_layers):
-                only = frozenset((layer,))
-                for transfer in transfers:
-                    scatter_chunk(layout, ids, transfer, only)
+                self._scatter_layer(layout, ids, transfers, layer)
                 load.layer_copied(layer, stream)
 
         load.future = asyncio.ensure_future(
@@ -149,6 +147,18 @@ class TorchMover(KVMover):
             load.end(None)
         await asyncio.sleep(0)  # the worker has the job: the caller may wait per layer now
         return load
+
+    def _scatter_layer(
+        self,
+        layout: KVCacheLayout,
+        block_ids: torch.Tensor,
+        transfers: Sequence[ChunkTransfer],
+        layer: int,
+    ) -> None:
+        """Worker thread: model layer ``layer`` of every transfer."""
+        only = frozenset((layer,))
+        for transfer in transfers:
+            scatter_chunk(layout, block_ids, transfer, only)
 
     async def _run(
         self,
