@@ -1,0 +1,271 @@
+"""Layerwise loads and stores on the GPU, against the torch reference, bit for bit (GPU only).
+
+Loads: `CudaMover.scatter_layerwise` on every path writes exactly what the reference writes,
+for every format and a model of three interleaved groups; a layer whose copy is held back (a
+sleep queued before it on the load stream) is not visible to a stream that waits for it until
+it lands, while earlier layers are released before it. Stores: a layer's copy-out waits for the
+producer's queued write. Engine: layerwise retrieve equals whole retrieve through the default
+mover, and a layerwise store round-trips.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
+from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
+from tiered_kv.gpu.plan import GroupPlan
+from tiered_kv.gpu.reference import TorchMover
+from tiered_kv.gpu.staging import Job
+from tiered_kv.layout import KVCacheLayout, build_layout
+from tiered_kv.memory import HostArena, MemoryObj
+
+pytestmark = pytest.mark.gpu
+
+CHUNK = 32
+BLOCK = 16
+SLEEP_CYCLES = 400_000_000  # about 0.2 s at Hopper clocks
+
+
+def _layout(entries: Any, hints: Any) -> KVCacheLayout:
+    return build_layout(entries, chunk_size=CHUNK, layout_hints=hints)
+
+
+def _objects(arena: HostArena, layout: KVCacheLayout, num_tokens: int) -> list[MemoryObj]:
+    objs = []
+    for start in range(0, num_tokens, CHUNK):
+        obj = arena.allocate_obj(layout.layout_desc, min(CHUNK, num_tokens - start))
+        assert obj is not None
+        objs.append(obj)
+    return objs
+
+
+def _transfers(objs: Sequence[MemoryObj], skip: int) -> list[ChunkTransfer]:
+    return [
+        ChunkTransfer(obj, i * CHUNK, min(obj.num_tokens, max(0, skip - i * CHUNK)))
+        for i, obj in enumerate(objs)
+    ]
+
+
+@pytest.fixture
+async def movers() -> Any:
+    out: dict[str, KVMover] = {path: CudaMover(MoverOptions(path=path)) for path in PATHS}
+    out["torch"] = TorchMover()
+    yield out
+    for mover in out.values():
+        await mover.aclose()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("skip", [0, 21])
+async def test_layerwise_scatter_matches_the_reference(
+    movers: dict[str, KVMover], path: str, fmt: str, skip: int
+) -> None:
+    num_tokens = 100
+    ours = make_caches(fmt, torch.bfloat16, num_layers=3, num_blocks=24, seed=3, device="cuda")
+    theirs = make_caches(fmt, torch.bfloat16, num_layers=3, num_blocks=24, seed=3, device="cuda")
+    lo, lt = _layout(ours.entries, ours.hints), _layout(theirs.entries, theirs.hints)
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        src = list(range(0, 7))
+        dst = [23, 9, 17, 12, 8, 20, 15]
+        a, b = _objects(arena, lo, num_tokens), _objects(arena, lt, num_tokens)
+        await movers["torch"].gather(lo, src, _transfers(a, 0))
+        await movers["torch"].gather(lt, src, _transfers(b, 0))
+        poison_blocks(ours, dst)
+        poison_blocks(theirs, dst)
+        load = await movers[path].scatter_layerwise(lo, dst, _transfers(a, skip))
+        load.wait_all()
+        await movers["torch"].scatter(lt, dst, _transfers(b, skip))
+        torch.cuda.synchronize()
+        await load.wait()
+        assert load.done()
+        assert ours.bytes_equal(theirs.snapshot())
+        for obj in (*a, *b):
+            assert obj.refcount == 1  # the mover gave its references back
+            obj.unref()
+    finally:
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_layerwise_scatter_of_interleaved_groups(
+    movers: dict[str, KVMover], path: str
+) -> None:
+    def caches(seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+
+        def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=gen)
+            return raw.to(torch.uint8).cuda().view(dtype)
+
+        return [
+            rand((2, 10, BLOCK, 4, 64), torch.bfloat16),
+            rand((10, BLOCK, 132), torch.int8),
+            rand((2, 10, BLOCK, 4, 64), torch.bfloat16),
+            rand((10, BLOCK, 72), torch.float16),
+        ]
+
+    hints = {"block_size": BLOCK, "kv_layout": "NHD"}
+    ours, theirs = caches(7), caches(7)
+    lo, lt = _layout(ours, hints), _layout(theirs, hints)
+    assert len(lo.groups) == 3
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        a, b = _objects(arena, lo, 70), _objects(arena, lt, 70)
+        await movers["torch"].gather(lo, [3, 7, 1, 9, 0], _transfers(a, 0))
+        await movers["torch"].gather(lt, [3, 7, 1, 9, 0], _transfers(b, 0))
+        dst = [8, 2, 6, 4, 5]
+        for tensors in (ours, theirs):
+            for t in tensors:
+                if t.dim() == 5:
+                    t.view(torch.uint8)[:, dst] = 0xA5
+                else:
+                    t.view(torch.uint8)[dst] = 0xA5
+        load = await movers[path].scatter_layerwise(lo, dst, _transfers(a, 19))
+        await movers["torch"].scatter(lt, dst, _transfers(b, 19))
+        load.wait_all()
+        torch.cuda.synchronize()
+        await load.wait()
+        for x, y in zip(ours, theirs, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for obj in (*a, *b):
+            obj.unref()
+    finally:
+        assert arena.close() == 0
+
+
+class DelayedLayerMover(CudaMover):
+    """Queues a long sleep on the load kernel stream before the launch that copies
+    ``delayed_layer`` (a single-group layout: local layer == model layer)."""
+
+    delayed_layer = 2
+
+    def _launch_jobs(
+        self,
+        state: Any,
+        group: GroupPlan,
+        side: Any,
+        to_host: bool,
+        block_size: int,
+        device_ids: int,
+        ctas: int,
+        jobs: Sequence[Job],
+    ) -> None:
+        if not to_host and any(job[4] == self.delayed_layer for job in jobs):
+            with torch.cuda.stream(side.kernel_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        super()._launch_jobs(state, group, side, to_host, block_size, device_ids, ctas, jobs)
+
+
+async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_back() -> None:
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=9, device="cuda"
+    )
+    layout = _layout(caches.entries, caches.hints)
+    # Slots of one layer's worth (3 chunks x 2 KiB): no fill mixes two layers.
+    mover = DelayedLayerMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
+        objs = _objects(arena, layout, 96)
+        await mover.gather(layout, src, _transfers(objs, 0))
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        torch.cuda.synchronize()
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        src_index = torch.tensor(src, device="cuda")
+        dst_index = torch.tensor(dst, device="cuda")
+        waiting, early = torch.cuda.Stream(), torch.cuda.Stream()
+        load.wait_layer(1, early)
+        with torch.cuda.stream(early):
+            early_copy = caches.physical[1][:, dst_index].clone()
+        load.wait_layer(2, waiting)
+        with torch.cuda.stream(waiting):
+            waited_copy = caches.physical[2][:, dst_index].clone()
+        early.synchronize()  # layer 1 is released while the delayed layer 2 is not
+        assert not waiting.query() and not load.done()
+        waiting.synchronize()
+        await load.wait()
+        for layer, copy in ((1, early_copy), (2, waited_copy)):
+            want = reference[layer][0][:, src_index]
+            assert torch.equal(copy.view(torch.uint8), want.view(torch.uint8)), layer
+        for obj in objs:
+            obj.unref()
+    finally:
+        await mover.aclose()
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_layers_store_waits_for_its_producer(path: str) -> None:
+    """save_layer after a write still queued behind a sleep on the producer's stream: the
+    stored bytes are the written ones."""
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, num_layers=3, num_blocks=16, seed=1, device="cuda"
+    )
+    tokens = list(range(1000, 1096))
+    src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
+    config = EngineConfig(chunk_size=CHUNK, l1_size="16MiB")
+    producer = torch.cuda.Stream()
+    async with TieredKVEngine(config, mover=CudaMover(MoverOptions(path=path))) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        torch.cuda.synchronize()
+        saver = await engine.store_layerwise(tokens, src)
+        for layer in range(3):
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(SLEEP_CYCLES // 4)
+                caches.physical[layer].view(torch.uint8)[:, src] = 0x10 + layer
+            saver.save_layer(layer, producer)
+        assert await saver.commit() == 96
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        assert await engine.retrieve(tokens, dst) == 96
+        torch.cuda.synchronize()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        assert caches.bytes_equal(expected)
+        for layer in range(3):
+            assert bool((caches.physical[layer].view(torch.uint8)[:, dst] == 0x10 + layer).all())
+    assert engine.leaked_on_close == 0
+
+
+@pytest.mark.parametrize("fmt", ["vllm_nhd", "vllm_hnd_view", "flashinfer_hnd", "mla"])
+async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fmt: str) -> None:
+    num_tokens = 200
+    blocks = math.ceil(num_tokens / BLOCK)
+    caches = make_caches(
+        fmt, torch.bfloat16, num_layers=4, num_blocks=2 * blocks + 2, seed=12, device="cuda"
+    )
+    tokens = list(range(5000, 5000 + num_tokens))
+    src = list(range(1, 1 + blocks))
+    dst = [2 * blocks + 1 - i for i in range(blocks)]
+    config = EngineConfig(
+        chunk_size=CHUNK, l1_size="64MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False
+    )
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(tokens, src) == num_tokens
+        await engine.flush(timeout=30)
+        reference = caches.snapshot()
+        for skip, evict in ((0, False), (48, True)):
+            if evict:
+                assert await engine.evict_l1() > 0
+            poison_blocks(caches, dst)
+            expected = caches.snapshot()
+            load = await engine.retrieve_layerwise(tokens, dst, skip_prefix_tokens=skip)
+            assert load.result.valid_tokens == num_tokens
+            load.wait_all()
+            torch.cuda.current_stream().synchronize()
+            await load.wait()
+            expect_copy(caches, expected, reference, src, dst, range(skip, num_tokens), BLOCK)
+            assert caches.bytes_equal(expected), f"skip={skip}"
+    assert engine.leaked_on_close == 0
