@@ -93,7 +93,8 @@ async def test_layerwise_scatter_matches_the_reference(
             assert obj.refcount == 1  # the mover gave its references back
             obj.unref()
     finally:
-        assert arena.close() == 0
+        leaked = arena.close()
+    assert leaked == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -140,7 +141,8 @@ async def test_layerwise_scatter_of_interleaved_groups(
         for obj in (*a, *b):
             obj.unref()
     finally:
-        assert arena.close() == 0
+        leaked = arena.close()
+    assert leaked == 0
 
 
 class DelayedLayerMover(CudaMover):
@@ -192,7 +194,8 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
         with torch.cuda.stream(waiting):
             waited_copy = caches.physical[2][:, dst_index].clone()
         early.synchronize()  # layer 1 is released while the delayed layer 2 is not
-        assert not waiting.query() and not load.done()
+        assert not waiting.query(), "the stream waiting for the delayed layer 2 ran ahead"
+        assert not load.done()
         waiting.synchronize()
         await load.wait()
         for layer, copy in ((1, early_copy), (2, waited_copy)):
@@ -202,7 +205,8 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
             obj.unref()
     finally:
         await mover.aclose()
-        assert arena.close() == 0
+        leaked = arena.close()
+    assert leaked == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
