@@ -182,17 +182,20 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
         await mover.gather(layout, src, _transfers(objs, 0))
         reference = caches.snapshot()
         poison_blocks(caches, dst)
-        torch.cuda.synchronize()
-        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         src_index = torch.tensor(src, device="cuda")
         dst_index = torch.tensor(dst, device="cuda")
         waiting, early = torch.cuda.Stream(), torch.cuda.Stream()
+        # Allocated up front: an allocation after the load starts may synchronize the device.
+        early_copy = torch.empty_like(caches.physical[1][:, dst_index])
+        waited_copy = torch.empty_like(early_copy)
+        torch.cuda.synchronize()
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         load.wait_layer(1, early)
         with torch.cuda.stream(early):
-            early_copy = caches.physical[1][:, dst_index].clone()
+            torch.index_select(caches.physical[1], 1, dst_index, out=early_copy)
         load.wait_layer(2, waiting)
         with torch.cuda.stream(waiting):
-            waited_copy = caches.physical[2][:, dst_index].clone()
+            torch.index_select(caches.physical[2], 1, dst_index, out=waited_copy)
         early.synchronize()  # layer 1 is released while the delayed layer 2 is not
         assert not waiting.query(), "the stream waiting for the delayed layer 2 ran ahead"
         assert not load.done()
