@@ -1,0 +1,1132 @@
+"""Time to first token on a Llama-3-8B-shaped model: recompute vs loads from L1, L2 and L3.
+
+Run on a CUDA machine (the device tool):
+``PYTHONPATH=. python3 bench/ttft.py [--quick] [--json PATH] [--png PATH]``;
+on CPU with tiny shapes: ``PYTHONPATH=. python3 bench/ttft.py --device cpu --tiny``.
+Needs transformers (bench-only; not a tiered_kv dependency) and, for --png, matplotlib.
+
+The model: transformers' ``LlamaForCausalLM`` with Llama-3-8B's shapes (32 layers, hidden 4096,
+32 heads, 8 KV heads x 128, intermediate 14336, vocab 128256), bf16, sdpa, random weights made
+on the GPU. Its KV lives in vLLM-shaped paged caches (per layer ``[2, blocks, 16, 8, 128]``,
+NHD, block tables shuffled) registered with the engines; a transformers ``Cache`` subclass
+(`bench/ttft_model.py`) waits for each layer's load, writes the new tokens' KV into their slots
+and calls ``save_layer`` for layerwise stores. The model runs on its own thread, the engine on
+its event loop, as in a serving engine.
+
+For each prompt length (2k, 8k, 32k; ``--quick``: 2k, 8k), with 0%, 50% and 100% of the prompt
+cached (100%: every chunk, the last token still computed for the logits), TTFT is the time from
+the request's arrival (before ``lookup``) to the first token's logits on the host:
+- recompute: a plain prefill of the whole prompt;
+- L1: ``retrieve`` then the prefill of the rest ("whole"), and ``retrieve_layerwise`` with the
+  prefill waiting per layer ("layerwise");
+- L2 after a restart: a new engine on the same ``l2_path`` with an empty L1 (``lookup`` starts
+  the prefetch, retrieve waits for it); "warm" reads hit the page cache (files just written),
+  "cold" ones follow ``posix_fadvise(DONTNEED)`` on every L2 file (the device's local disk);
+- L3: ``tiered-kv serve`` in its own process on loopback, an engine with only L1 (empty) + L3;
+- the prefill's slowdown while a layerwise store copies each layer out (``save_layer``).
+
+Bounds, measured in the same run: the pinned host-to-device copy ceiling (so a load's bound is
+``KV bytes / ceiling``), and the prefill of the uncached tokens with the prefix already in the
+paged cache ("compute"). Whole loads are bounded by ``load + compute``, layerwise ones by
+``max(load, compute)``, the physical speedup over recomputing by ``recompute / max(load,
+compute)``. Logits after every load must equal those of the same prefill over the resident
+prefix bit for bit (whole, layerwise, every tier); against recomputing the whole prompt they
+must agree within bf16 tolerance (see `RECOMPUTE_TOLERANCE`).
+
+Prints progress, then the checks, break-even lengths and a table last; ``--json PATH`` writes
+every figure, ``--png PATH`` the plots. Exits 1 when a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.ttft_model import LLAMA3_8B, TINY, ModelShape, PagedKV, build_model, prefill  # noqa: E402
+from tiered_kv import EngineConfig, TieredKVEngine  # noqa: E402
+from tiered_kv.engine import new_event_loop  # noqa: E402
+
+GiB = 1 << 30
+MODEL_NAME = "llama3-8b-shaped"
+FRACTIONS = (0, 50, 100)
+# Logits after loading vs after recomputing the whole prompt: the prefix KV is the same bits,
+# but the rest is computed with other GEMM shapes and another attention kernel (a masked one
+# for a partial prompt), so bf16 rounding differs. Both must hold: max |diff| <= rel x max
+# |logit| of the recompute, and cosine similarity >= cosine. For scale, on CPU with a 32-layer
+# random Llama (hidden 512): the bf16 model against the same weights in float32 differs by
+# 1.3% of max |logit| (cosine 0.99993); a wrong prefix (another prompt's KV) gives cosine 0.08.
+RECOMPUTE_TOLERANCE = {"rel": 0.04, "cosine": 0.999}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# -- options ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    device: str = "cuda"
+    shape: ModelShape = LLAMA3_8B
+    lengths: tuple[int, ...] = (2048, 8192, 32768)
+    reps: int = 3
+    chunk_size: int = 256
+    block_size: int = 16
+    ceiling_bytes: int = GiB
+    disk_probe_bytes: int = GiB
+    cold_budget_s: float = 40.0  # estimated disk time allowed for cold-L2 cases
+    l2_dir: str | None = None
+    tiers: tuple[str, ...] = ("L1", "L2", "L3")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for n in self.lengths:
+            if n % self.chunk_size or n < 2 * self.chunk_size:
+                raise ValueError(
+                    f"prompt length {n}: must be a multiple of chunk_size={self.chunk_size} "
+                    "and at least two chunks (50% cached is whole chunks)"
+                )
+        if self.reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps}")
+        unknown = set(self.tiers) - {"L1", "L2", "L3"}
+        if unknown:
+            raise ValueError(f"tiers: unknown {sorted(unknown)}; use L1, L2, L3")
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return max(self.lengths) * self.shape.kv_bytes_per_token
+
+    @property
+    def l1_bytes(self) -> int:
+        """One prompt's KV with room to spare: each engine holds one prompt at a time."""
+        return int(self.max_prompt_bytes * 1.25) + (64 << 20)
+
+
+def tiny_options(**overrides: Any) -> Options:
+    values: dict[str, Any] = {
+        "device": "cpu",
+        "shape": TINY,
+        "lengths": (128, 512),
+        "reps": 2,
+        "chunk_size": 32,
+        "ceiling_bytes": 64 << 20,
+        "disk_probe_bytes": 64 << 20,
+        "cold_budget_s": 10.0,
+    }
+    values.update(overrides)
+    return Options(**values)
+
+
+# -- results ------------------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class Case:
+    """One measured configuration: median TTFT over ``reps`` (after one warm-up)."""
+
+    tokens: int
+    cached_pct: int
+    tier: str  # recompute, compute (prefix resident), L1, L2 warm, L2 cold, L3
+    mode: str  # "-", whole, layerwise
+    ttft_s: float
+    runs_s: list[float]
+    prefix_tokens: int = 0  # tokens not computed (loaded, or resident)
+    loaded_tokens: int = 0
+    load_bound_s: float | None = None
+    bound_s: float | None = None
+    recompute_s: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.bound_s is None else self.ttft_s / self.bound_s
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.recompute_s is None else self.recompute_s / self.ttft_s
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(ratio=self.ratio, speedup=self.speedup)
+        return out
+
+
+@dataclasses.dataclass(slots=True)
+class Report:
+    options: dict[str, Any]
+    kv_bytes_per_token: int
+    device_name: str = ""
+    ceiling_label: str = "pinned H2D"
+    h2d_gbps: float = 0.0
+    disk_gbps: float | None = None
+    cases: list[Case] = dataclasses.field(default_factory=list)
+    slowdown: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    gpu_peak_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    wall_s: float = 0.0
+    # First-run logits (float32, host) by (tokens, cached %, source, mode); not in the JSON.
+    logits: dict[tuple[int, int, str, str], torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def find(self, tokens: int, pct: int, tier: str, mode: str) -> Case | None:
+        for case in self.cases:
+            if (case.tokens, case.cached_pct, case.tier, case.mode) == (tokens, pct, tier, mode):
+                return case
+        return None
+
+    @property
+    def failed_checks(self) -> list[dict[str, Any]]:
+        return [c for c in self.checks if not c["ok"]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "options": self.options,
+            "device": self.device_name,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "ceiling_label": self.ceiling_label,
+            "h2d_gbps": self.h2d_gbps,
+            "disk_gbps": self.disk_gbps,
+            "cases": [c.as_dict() for c in self.cases],
+            "slowdown": self.slowdown,
+            "checks": self.checks,
+            "skipped": self.skipped,
+            "gpu_peak_bytes": self.gpu_peak_bytes,
+            "break_even": break_even(self),
+            "wall_s": self.wall_s,
+        }
+
+
+# -- ceilings -----------------------------------------------------------------------------------
+def h2d_ceiling(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """Bytes/s of the best of ``reps`` pinned host-to-device copies of ``nbytes`` (CPU: a plain
+    memory copy, the reference mover's ceiling)."""
+    best = math.inf
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        for _ in range(reps + 1):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            dev.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        del host, dev
+    else:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        for _ in range(reps + 1):
+            start_s = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start_s)
+    return nbytes / best
+
+
+def drop_page_cache(directory: str) -> int:
+    """posix_fadvise(DONTNEED) on every file under ``directory`` (written and fsynced, so
+    clean: the kernel drops them); returns the bytes advised."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    total += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+    return total
+
+
+def disk_read_ceiling(directory: str, max_bytes: int) -> float | None:
+    """Bytes/s of plain sequential ``readinto`` of the L2 files (page cache dropped first), up
+    to ``max_bytes``: what the disk gives without the engine."""
+    files = sorted(
+        os.path.join(root, name) for root, _, names in os.walk(directory) for name in names
+    )
+    drop_page_cache(directory)
+    buffer = bytearray(64 << 20)
+    view = memoryview(buffer)
+    total = 0
+    start = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as file:
+            while (count := file.readinto(view)) > 0:
+                total += count
+        if total >= max_bytes:
+            break
+    elapsed = time.perf_counter() - start
+    return total / elapsed if total and elapsed > 0 else None
+
+
+# -- the L3 server ------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def tkv_server(capacity: int, log_path: Path) -> Iterator[str]:
+    """``tiered-kv serve`` in its own process on loopback; yields its ``tkv://`` URL."""
+    port = free_port()
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    args = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(port)]
+    args += ["--capacity", str(capacity)]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"tiered-kv serve exited with {proc.returncode}: "
+                    f"{log_path.read_text(errors='replace')[-2000:]}"
+                )
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tiered-kv serve: nothing listens on port {port} after 60 s")
+            time.sleep(0.05)
+        yield f"tkv://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- requests -----------------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class Request:
+    """One prompt: token ids (host int32 for the engine, device int64 for the model), its
+    block table and slot mapping, and the tokens a lookup should find cached."""
+
+    name: str
+    host_ids: torch.Tensor
+    device_ids: torch.Tensor
+    block_ids: list[int]
+    slots: torch.Tensor
+    cached_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.host_ids.numel())
+
+    @property
+    def compute_from(self) -> int:
+        """Tokens that are not computed when the cached prefix is in place: the last token is
+        always computed, for the logits."""
+        return min(self.cached_tokens, self.num_tokens - 1)
+
+
+def make_requests(
+    opts: Options, paged: PagedKV, n: int, device: torch.device
+) -> dict[int, Request]:
+    """For ``n`` tokens: the stored prompt (100% cached), one sharing its first half (50%) and
+    one sharing nothing (0%); all on one shuffled block table."""
+    gen = torch.Generator().manual_seed(opts.seed * 1000003 + n)
+    vocab = opts.shape.vocab
+    stored = torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32)
+    other = torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32)
+    fresh = torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32)
+    half = n // 2
+    blocks = random.Random(n).sample(range(paged.num_blocks), -(-n // paged.block_size))
+    slots = paged.slots(blocks, n)
+    ids = {100: stored, 50: torch.cat([stored[:half], other[half:]]), 0: fresh}
+    cached = {100: n, 50: half, 0: 0}
+    return {
+        pct: Request(
+            f"{n}/{pct}%",
+            host,
+            host.to(device=device, dtype=torch.long),
+            blocks,
+            slots,
+            cached[pct],
+        )
+        for pct, host in ids.items()
+    }
+
+
+# -- the model's thread -------------------------------------------------------------------------
+class ModelRunner:
+    """Runs prefills on one dedicated thread (the model's), so the engine's loop stays free to
+    run layerwise stores while a prefill is under way."""
+
+    def __init__(self, model: Any, paged: PagedKV, device: torch.device) -> None:
+        self.model = model
+        self.paged = paged
+        self.device = device
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    async def prefill(
+        self,
+        request: Request,
+        prefix_tokens: int,
+        *,
+        load: Any = None,
+        on_layer_written: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            return prefill(
+                self.model,
+                self.paged,
+                request.device_ids,
+                request.slots,
+                prefix_tokens,
+                load=load,
+                on_layer_written=on_layer_written,
+            )
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+# -- engines ------------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def open_engine(
+    opts: Options, paged: PagedKV, *, l2_path: str | None = None, l3_url: str | None = None
+) -> AsyncIterator[TieredKVEngine]:
+    config = EngineConfig(
+        chunk_size=opts.chunk_size,
+        l1_size=opts.l1_bytes,
+        l2_path=l2_path,
+        l2_size=4 * opts.max_prompt_bytes * len(opts.lengths) + GiB,
+        l3_url=l3_url,
+        l3_timeout_s=60.0,
+        prefetch_policy="wait_complete",
+        prefetch_l1_fraction=0.95,
+        close_timeout_s=600.0,
+    )
+    engine = TieredKVEngine(config)
+    engine.register_kv_caches(
+        paged.layers,
+        model_name=MODEL_NAME,
+        layout_hints={"block_size": opts.block_size, "kv_layout": "NHD"},
+    )
+    await engine.open()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
+        if engine.leaked_on_close:
+            raise RuntimeError(f"engine leaked {engine.leaked_on_close} host bytes at close")
+
+
+# -- measurements -------------------------------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+class Bench:
+    def __init__(self, opts: Options, report: Report, runner: ModelRunner) -> None:
+        self.opts = opts
+        self.report = report
+        self.runner = runner
+        self.paged = runner.paged
+        self.h2d = report.h2d_gbps * 1e9
+        self.recompute_s: dict[int, float] = {}
+        self.compute_s: dict[tuple[int, int], float] = {}  # (tokens, pct) -> resident compute
+        self.recompute_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.resident_logits: dict[tuple[int, int], torch.Tensor] = {}
+
+    # .. timing helpers .........................................................................
+    async def timed_prefill(
+        self, request: Request, prefix: int, reps: int
+    ) -> tuple[list[float], torch.Tensor]:
+        times: list[float] = []
+        logits = torch.empty(0)
+        for i in range(reps + 1):  # the first is a warm-up
+            self.runner.sync()
+            start = time.perf_counter()
+            out = await self.runner.prefill(request, prefix)
+            elapsed = time.perf_counter() - start
+            if i == 0:
+                logits = out
+            else:
+                times.append(elapsed)
+                self.same_logits(f"{request.name} prefill from {prefix} (rep {i})", logits, out)
+        return times, logits
+
+    def same_logits(self, what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
+        """Bit-exact check, recorded (not raised) so that every figure still prints."""
+        ok = bool(torch.equal(expected, got))
+        diff = (expected - got).abs().max().item() if expected.shape == got.shape else math.nan
+        self.report.checks.append(
+            {"check": what, "kind": "bit-exact", "ok": ok, "max_abs_diff": diff}
+        )
+        if not ok:
+            log(f"CHECK FAILED: {what}: logits differ (bit-exact expected; max |diff| {diff})")
+
+    def close_logits(self, what: str, reference: torch.Tensor, got: torch.Tensor) -> None:
+        diff = (reference - got).abs().max().item()
+        scale = reference.abs().max().item()
+        cosine = torch.nn.functional.cosine_similarity(reference, got, dim=0).item()
+        ok = (
+            math.isfinite(diff)
+            and diff <= RECOMPUTE_TOLERANCE["rel"] * scale
+            and cosine >= RECOMPUTE_TOLERANCE["cosine"]
+        )
+        same_token = int(reference.argmax()) == int(got.argmax())
+        self.report.checks.append(
+            {
+                "check": what,
+                "kind": "bf16 tolerance",
+                "ok": ok,
+                "max_abs_diff": diff,
+                "max_abs_logit": scale,
+                "cosine": cosine,
+                "same_argmax": same_token,
+            }
+        )
+        if not ok:
+            log(
+                f"CHECK FAILED: {what}: max |diff| {diff:.4g} vs max |logit| {scale:.4g}, "
+                f"cosine {cosine:.6f} (tolerance {RECOMPUTE_TOLERANCE})"
+            )
+
+    # .. phase 1: recompute, stores, resident compute ...........................................
+    async def prefill_phase(
+        self,
+        n: int,
+        requests: dict[int, Request],
+        l1: TieredKVEngine,
+        writer: TieredKVEngine | None,
+    ) -> None:
+        reps = self.opts.reps
+        stored = requests[100]
+        times, logits = await self.timed_prefill(stored, 0, reps)
+        self.recompute_s[n] = median(times)
+        self.recompute_logits[(n, 100)] = self.report.logits[(n, 100, "recompute", "-")] = logits
+        self.add(Case(n, 0, "recompute", "-", median(times), times, recompute_s=median(times)))
+        log(f"[{n}] recompute prefill: {1e3 * median(times):.1f} ms (median of {reps})")
+        if writer is not None:
+            start = time.perf_counter()
+            stored_tokens = await writer.store(stored.host_ids, stored.block_ids)
+            await writer.flush()
+            elapsed = time.perf_counter() - start
+            if stored_tokens != n:
+                raise RuntimeError(f"[{n}] L2/L3 writer stored {stored_tokens} of {n} tokens")
+            await writer.evict_l1()
+            log(f"[{n}] stored to L2 + L3 (write-through, flushed) in {elapsed:.2f} s")
+        await self.store_slowdown(n, stored, l1)
+        # The paged cache holds the stored prompt's KV now: prefill the rest over it.
+        for pct in (100, 50):  # 50% writes its own second half: after 100%
+            request = requests[pct]
+            times, logits = await self.timed_prefill(request, request.compute_from, reps)
+            self.compute_s[(n, pct)] = median(times)
+            self.resident_logits[(n, pct)] = self.report.logits[(n, pct, "compute", "-")] = logits
+            self.add(
+                Case(
+                    n,
+                    pct,
+                    "compute",
+                    "-",
+                    median(times),
+                    times,
+                    prefix_tokens=request.compute_from,
+                    recompute_s=self.recompute_s[n],
+                )
+            )
+            log(
+                f"[{n}] prefill of the uncached {n - request.compute_from} tokens over a "
+                f"resident prefix of {request.compute_from}: {1e3 * median(times):.1f} ms"
+            )
+        half = requests[50]
+        logits = await self.runner.prefill(half, 0)
+        self.recompute_logits[(n, 50)] = self.report.logits[(n, 50, "recompute", "-")] = logits
+        for pct in (50, 100):
+            self.close_logits(
+                f"{n} tokens, {pct}% cached: resident prefix vs recompute",
+                self.recompute_logits[(n, pct)],
+                self.resident_logits[(n, pct)],
+            )
+
+    async def store_slowdown(self, n: int, request: Request, engine: TieredKVEngine) -> None:
+        """Alternating prefills without and with a layerwise store; the last store stays, so the
+        L1 loads read what the layerwise store wrote."""
+        ratios: list[float] = []
+        plain: list[float] = []
+        saving: list[float] = []
+        visible: list[float] = []
+        reps = self.opts.reps
+        for i in range(reps + 1):
+            self.runner.sync()
+            start = time.perf_counter()
+            reference = await self.runner.prefill(request, 0)
+            t_plain = time.perf_counter() - start
+            saver = await engine.store_layerwise(request.host_ids, request.block_ids)
+            if saver.new_tokens != n:
+                raise RuntimeError(f"[{n}] layerwise store would store {saver.new_tokens} of {n}")
+            self.runner.sync()
+            start = time.perf_counter()
+            try:
+                logits = await self.runner.prefill(request, 0, on_layer_written=saver.save_layer)
+            except BaseException:
+                await saver.abort()
+                raise
+            t_saving = time.perf_counter() - start
+            stored = await saver.commit()
+            t_visible = time.perf_counter() - start
+            if stored != n:
+                raise RuntimeError(f"[{n}] layerwise store committed {stored} of {n} tokens")
+            self.same_logits(
+                f"{n} tokens: prefill with layerwise store (rep {i})", reference, logits
+            )
+            if i < reps:
+                await engine.evict_l1()  # the next store must copy again
+            if i == 0:
+                continue  # warm-up
+            plain.append(t_plain)
+            saving.append(t_saving)
+            visible.append(t_visible)
+            ratios.append(t_saving / t_plain)
+        row = {
+            "tokens": n,
+            "prefill_s": median(plain),
+            "prefill_with_store_s": median(saving),
+            "slowdown_pct": 100.0 * (median(ratios) - 1.0),
+            "committed_after_s": median(visible),
+            "stored_gbps": n * self.opts.shape.kv_bytes_per_token / median(visible) / 1e9,
+        }
+        self.report.slowdown.append(row)
+        log(
+            f"[{n}] prefill {1e3 * row['prefill_s']:.1f} ms, with layerwise store "
+            f"{1e3 * row['prefill_with_store_s']:.1f} ms ({row['slowdown_pct']:+.1f}%), "
+            f"chunks visible {1e3 * row['committed_after_s']:.1f} ms after the prefill began"
+        )
+
+    # .. phase 2: loads ..........................................................................
+    async def load_cases(
+        self,
+        engine: TieredKVEngine,
+        tier: str,
+        n: int,
+        requests: dict[int, Request],
+        *,
+        reset: Callable[[], Awaitable[None]] | None = None,
+        modes: Sequence[str] = ("whole", "layerwise"),
+        fractions: Sequence[int] = FRACTIONS,
+        reps: int | None = None,
+        warmup: bool = True,
+    ) -> None:
+        reps = self.opts.reps if reps is None else reps
+        for pct in fractions:
+            for mode in modes if pct else ("-",):
+                await self.load_case(engine, tier, mode, n, requests[pct], pct, reset, reps, warmup)
+
+    async def load_case(
+        self,
+        engine: TieredKVEngine,
+        tier: str,
+        mode: str,
+        n: int,
+        request: Request,
+        pct: int,
+        reset: Callable[[], Awaitable[None]] | None,
+        reps: int,
+        warmup: bool,
+    ) -> None:
+        times: list[float] = []
+        first: torch.Tensor | None = None
+        loaded = prefix = 0
+        for i in range(reps + int(warmup)):
+            if reset is not None:
+                await reset()
+            self.paged.poison(request.block_ids)  # what no load writes reads as NaN
+            self.runner.sync()
+            start = time.perf_counter()
+            hit = await engine.lookup(request.host_ids)
+            load = None
+            loaded = 0
+            if hit:
+                if mode == "layerwise":
+                    load = await engine.retrieve_layerwise(request.host_ids, request.block_ids)
+                    result = load.result
+                else:
+                    result = await engine.retrieve_detailed(request.host_ids, request.block_ids)
+                loaded = result.valid_tokens
+            prefix = min(loaded, n - 1)
+            logits = await self.runner.prefill(request, prefix, load=load)
+            elapsed = time.perf_counter() - start
+            if load is not None:
+                await load.wait()
+            if hit != request.cached_tokens or loaded != request.cached_tokens:
+                raise RuntimeError(
+                    f"[{n}] {tier} {mode} {pct}%: lookup found {hit}, retrieve delivered "
+                    f"{loaded}; expected {request.cached_tokens} cached tokens"
+                )
+            if first is None:
+                first = self.report.logits[(n, pct, tier, mode)] = logits
+                if pct:
+                    self.same_logits(
+                        f"{n} tokens, {pct}% cached, {tier} {mode} vs resident prefix",
+                        self.resident_logits[(n, pct)],
+                        logits,
+                    )
+            else:
+                self.same_logits(
+                    f"{n} tokens, {pct}% cached, {tier} {mode} (rep {i})", first, logits
+                )
+            if i >= int(warmup):
+                times.append(elapsed)
+        ttft = median(times)
+        load_bound = loaded * self.opts.shape.kv_bytes_per_token / self.h2d if loaded else None
+        compute = self.compute_s.get((n, pct)) if pct else self.recompute_s[n]
+        bound: float | None
+        if load_bound is None:
+            bound = self.recompute_s[n]
+        elif mode == "layerwise":
+            bound = max(load_bound, compute or 0.0)
+        else:
+            bound = load_bound + (compute or 0.0)
+        case = Case(
+            n,
+            pct,
+            tier,
+            mode,
+            ttft,
+            times,
+            prefix_tokens=prefix,
+            loaded_tokens=loaded,
+            load_bound_s=load_bound,
+            bound_s=bound,
+            recompute_s=self.recompute_s[n],
+        )
+        self.add(case)
+        ratio = f", {case.ratio:.2f}x its bound" if case.ratio is not None else ""
+        log(
+            f"[{n}] {tier} {mode} {pct}% cached: TTFT {1e3 * ttft:.1f} ms{ratio}, speedup "
+            f"{case.speedup:.2f}x over recomputing ({len(times)} runs)"
+        )
+
+    def add(self, case: Case) -> None:
+        self.report.cases.append(case)
+
+
+# -- the run ------------------------------------------------------------------------------------
+async def run_bench(opts: Options) -> Report:
+    started = time.perf_counter()
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/ttft.py: no CUDA device (use --device cpu --tiny on CPU)")
+    options = {k: str(v) for k, v in dataclasses.asdict(opts).items()}
+    options["model"] = "Llama-3-8B-shaped" if opts.shape == LLAMA3_8B else "tiny Llama"
+    report = Report(
+        options=options,
+        kv_bytes_per_token=opts.shape.kv_bytes_per_token,
+    )
+    if device.type == "cuda":
+        report.device_name = torch.cuda.get_device_name(device)
+    else:
+        report.device_name, report.ceiling_label = "cpu", "memcpy (CPU)"
+    report.h2d_gbps = h2d_ceiling(device, opts.ceiling_bytes) / 1e9
+    log(f"device {report.device_name}; {report.ceiling_label} ceiling {report.h2d_gbps:.1f} GB/s")
+    t0 = time.perf_counter()
+    model = build_model(opts.shape, device, opts.seed)
+    num_blocks = -(-max(opts.lengths) // opts.block_size) + 8
+    paged = PagedKV(opts.shape, num_blocks, opts.block_size, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    params = sum(p.numel() for p in model.parameters())
+    log(
+        f"model: {params / 1e9:.2f}e9 parameters ({opts.shape.num_layers} layers), paged KV "
+        f"{paged.nbytes / GiB:.2f} GiB, built in {time.perf_counter() - t0:.1f} s"
+    )
+    runner = ModelRunner(model, paged, device)
+    bench = Bench(opts, report, runner)
+    all_requests = {n: make_requests(opts, paged, n, device) for n in opts.lengths}
+    workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=opts.l2_dir))
+    l2_path = str(workdir / "l2")
+    try:
+        with contextlib.ExitStack() as stack:
+            l3_url = None
+            if "L3" in opts.tiers:
+                capacity = 2 * opts.max_prompt_bytes * len(opts.lengths) + GiB
+                l3_url = stack.enter_context(tkv_server(capacity, workdir / "serve.log"))
+                log(f"L3: tiered-kv serve at {l3_url}")
+            lower = "L2" in opts.tiers or "L3" in opts.tiers
+            async with contextlib.AsyncExitStack() as engines:
+                l1 = await engines.enter_async_context(open_engine(opts, paged))
+                writer = None
+                if lower:
+                    writer = await engines.enter_async_context(
+                        open_engine(
+                            opts,
+                            paged,
+                            l2_path=l2_path if "L2" in opts.tiers else None,
+                            l3_url=l3_url,
+                        )
+                    )
+                for n in opts.lengths:
+                    requests = all_requests[n]
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    await bench.prefill_phase(n, requests, l1, writer)
+                    if "L1" in opts.tiers:
+                        await bench.load_cases(l1, "L1", n, requests)
+                    await l1.evict_l1()
+                    if device.type == "cuda":
+                        report.gpu_peak_bytes[n] = torch.cuda.max_memory_allocated(device)
+                        log(f"[{n}] GPU memory peak {report.gpu_peak_bytes[n] / GiB:.1f} GiB")
+            if "L2" in opts.tiers:
+                await l2_phase(bench, opts, paged, all_requests, l2_path, report)
+            if "L3" in opts.tiers:
+                assert l3_url is not None
+                async with open_engine(opts, paged, l3_url=l3_url) as engine:
+                    for n in opts.lengths:
+                        await bench.load_cases(
+                            engine, "L3", n, all_requests[n], reset=evictor(engine)
+                        )
+    finally:
+        runner.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+def evictor(engine: TieredKVEngine) -> Callable[[], Awaitable[None]]:
+    async def reset() -> None:
+        await engine.evict_l1()
+
+    return reset
+
+
+async def l2_phase(
+    bench: Bench,
+    opts: Options,
+    paged: PagedKV,
+    all_requests: dict[int, dict[int, Request]],
+    l2_path: str,
+    report: Report,
+) -> None:
+    """A restart: a new engine on the same directory, L1 empty before every request. Warm
+    first (the files just written are in the page cache, as after a process restart), then
+    the disk's own read ceiling, then cold reads within the budget."""
+    async with open_engine(opts, paged, l2_path=l2_path) as engine:
+        evict = evictor(engine)
+        for n in opts.lengths:
+            await bench.load_cases(engine, "L2 warm", n, all_requests[n], reset=evict)
+        report.disk_gbps = (disk_read_ceiling(l2_path, opts.disk_probe_bytes) or 0.0) / 1e9
+        log(
+            f"L2 disk: plain sequential reads at {report.disk_gbps:.2f} GB/s with the page "
+            "cache dropped (the device's local disk)"
+        )
+
+        async def cold() -> None:
+            await engine.evict_l1()
+            drop_page_cache(l2_path)
+
+        budget = opts.cold_budget_s
+        disk = max(report.disk_gbps * 1e9, 1.0)
+        for n in opts.lengths:
+            for pct in (50, 100):
+                request = all_requests[n][pct]
+                estimate = 2 * request.cached_tokens * opts.shape.kv_bytes_per_token / disk
+                if estimate > budget:
+                    note = (
+                        f"L2 cold {n} tokens {pct}%: skipped, about {estimate:.0f} s of disk reads "
+                        f"left {budget:.0f} s of the cold budget (--cold-budget-s)"
+                    )
+                    report.skipped.append(note)
+                    log(note)
+                    continue
+                budget -= estimate
+                await bench.load_cases(
+                    engine,
+                    "L2 cold",
+                    n,
+                    all_requests[n],
+                    reset=cold,
+                    fractions=(pct,),
+                    reps=1,
+                    warmup=False,
+                )
+
+
+# -- summary ------------------------------------------------------------------------------------
+def break_even(report: Report) -> dict[str, str]:
+    """Per source: from which prompt length loading the whole prompt (100% cached, the faster
+    mode) beats recomputing it, from the measured lengths (interpolated in log length)."""
+    out: dict[str, str] = {}
+    for tier in ("L1", "L2 warm", "L2 cold", "L3"):
+        points = []
+        for n in sorted({c.tokens for c in report.cases}):
+            cases = [c for c in report.cases if (c.tier, c.tokens, c.cached_pct) == (tier, n, 100)]
+            if cases and cases[0].recompute_s:
+                best = min(c.ttft_s for c in cases)
+                points.append((n, best / cases[0].recompute_s))
+        if not points:
+            continue
+        ratios = ", ".join(f"{n}: {r:.2f}" for n, r in points)
+        wins = [n for n, r in points if r < 1.0]
+        if len(wins) == len(points):
+            text = f"pays off at every measured length (>= {points[0][0]} tokens)"
+        elif not wins:
+            text = f"does not pay off at any measured length (<= {points[-1][0]} tokens)"
+        else:
+            text = "pays off and loses at different lengths"
+            for (n0, r0), (n1, r1) in itertools.pairwise(points):
+                if (r0 < 1.0) != (r1 < 1.0):
+                    frac = -math.log(r0) / (math.log(r1) - math.log(r0))
+                    crossing = math.exp(math.log(n0) + frac * (math.log(n1) - math.log(n0)))
+                    if r1 < 1.0:
+                        text = (
+                            f"pays off above about {crossing:.0f} tokens (recomputing wins below)"
+                        )
+                    else:
+                        text = f"stops paying off above about {crossing:.0f} tokens"
+                    break
+        out[tier] = f"{text} (TTFT / recompute by length: {ratios})"
+    return out
+
+
+def summary_lines(report: Report) -> list[str]:
+    lines = []
+    lengths = sorted({c.tokens for c in report.cases})
+    largest = lengths[-1] if lengths else 0
+    whole = report.find(largest, 100, "L1", "whole")
+    if whole and whole.load_bound_s:
+        lines.append(
+            f"target L1 whole, 100% cached, {largest} tokens: TTFT {1e3 * whole.ttft_s:.1f} ms = "
+            f"{whole.ttft_s / whole.load_bound_s:.2f}x the transfer bound "
+            f"{1e3 * whole.load_bound_s:.1f} ms (target <= 1.15x)"
+        )
+    for n in lengths:
+        layer = report.find(n, 50, "L1", "layerwise")
+        whole50 = report.find(n, 50, "L1", "whole")
+        if layer and layer.ratio is not None and whole50:
+            faster = "below" if layer.ttft_s < whole50.ttft_s else "NOT below"
+            lines.append(
+                f"target L1 layerwise, 50% cached, {n} tokens: {layer.ratio:.2f}x "
+                f"max(load, compute) (target <= 1.15x), {faster} whole-then-compute "
+                f"({1e3 * layer.ttft_s:.1f} vs {1e3 * whole50.ttft_s:.1f} ms)"
+            )
+    for row in report.slowdown:
+        lines.append(
+            f"target prefill slowdown with layerwise stores, {row['tokens']} tokens: "
+            f"{row['slowdown_pct']:+.1f}% (target <= 3%)"
+        )
+    for n in lengths:
+        best = [report.find(n, 100, "L1", m) for m in ("whole", "layerwise")]
+        cases = [c for c in best if c is not None and c.speedup is not None]
+        compute = report.find(n, 100, "compute", "-")
+        if cases and compute and cases[0].load_bound_s:
+            case = min(cases, key=lambda c: c.ttft_s)
+            physical = (case.recompute_s or 0.0) / max(case.load_bound_s or 0.0, compute.ttft_s)
+            lines.append(
+                f"target speedup over recomputing from L1, {n} tokens: {case.speedup:.1f}x of a "
+                f"physical {physical:.1f}x (recompute / max(load, compute)) = "
+                f"{(case.speedup or 0.0) / physical:.2f} (target >= 0.85)"
+            )
+    for tier, text in break_even(report).items():
+        lines.append(f"break-even {tier}: loading {text}")
+    if report.disk_gbps is not None:
+        lines.append(
+            f"note: L2 cold reads come from the device's local disk ({report.disk_gbps:.2f} GB/s "
+            "plain reads): a slow disk, far below the pinned-copy ceiling; on a server with "
+            "fast NVMe the L2 break-even moves to shorter prompts"
+        )
+    for note in report.skipped:
+        lines.append(f"skipped: {note}")
+    bad = report.failed_checks
+    exact = [c for c in report.checks if c["kind"] == "bit-exact"]
+    close = [c for c in report.checks if c["kind"] != "bit-exact"]
+    worst = max((c["max_abs_diff"] / max(c["max_abs_logit"], 1e-30) for c in close), default=0.0)
+    lines.append(
+        f"correctness: {len(exact) - sum(1 for c in bad if c['kind'] == 'bit-exact')}/"
+        f"{len(exact)} bit-exact logit checks (loads vs resident prefix, whole vs layerwise, "
+        f"every tier), {len(close) - sum(1 for c in bad if c['kind'] != 'bit-exact')}/"
+        f"{len(close)} within bf16 tolerance of recomputing (max |diff| <= "
+        f"{RECOMPUTE_TOLERANCE['rel']:.0%} of max |logit|, cosine >= "
+        f"{RECOMPUTE_TOLERANCE['cosine']}; worst {worst:.2%})"
+    )
+    for check in bad:
+        lines.append(f"FAILED: {check['check']} ({check['kind']})")
+    return lines
+
+
+def table_lines(report: Report) -> list[str]:
+    header = (
+        f"{'tokens':>6} {'cached':>6} {'source':<10} {'mode':<9} {'TTFT ms':>9} "
+        f"{'bound ms':>9} {'/bound':>7} {'speedup':>8} {'load GB/s':>9}"
+    )
+    lines = [header]
+    order = {"recompute": 0, "compute": 1, "L1": 2, "L2 warm": 3, "L2 cold": 4, "L3": 5}
+    for case in sorted(
+        report.cases,
+        key=lambda c: (c.tokens, c.cached_pct, order.get(c.tier, 9), c.mode),
+    ):
+        bound = f"{1e3 * case.bound_s:9.1f}" if case.bound_s is not None else f"{'-':>9}"
+        ratio = f"{case.ratio:6.2f}x" if case.ratio is not None else f"{'-':>7}"
+        speed = f"{case.speedup:7.2f}x" if case.speedup is not None else f"{'-':>8}"
+        rate = (
+            f"{case.loaded_tokens * report.kv_bytes_per_token / case.ttft_s / 1e9:9.1f}"
+            if case.loaded_tokens
+            else f"{'-':>9}"
+        )
+        lines.append(
+            f"{case.tokens:>6} {case.cached_pct:>5}% {case.tier:<10} {case.mode:<9} "
+            f"{1e3 * case.ttft_s:9.1f} {bound} {ratio} {speed} {rate}"
+        )
+    return lines
+
+
+COLORS = {"recompute": "black", "L1": "tab:blue", "L2 warm": "tab:orange"}
+COLORS.update({"L2 cold": "tab:red", "L3": "tab:green"})
+
+
+def write_png(report: Report, path: Path) -> bool:
+    """TTFT against prompt length, one panel per cached share: every source and mode, the
+    recompute line, and the layerwise bound ``max(load, compute)``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import ScalarFormatter
+    except ImportError:
+        log(f"matplotlib is not importable (pip install -e '.[bench]'): no plot written to {path}")
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    lengths = sorted({c.tokens for c in report.cases})
+    for ax, pct in zip(axes, FRACTIONS, strict=True):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for case in report.cases:
+            if case.tier == "recompute" or (case.cached_pct == pct and case.tier != "compute"):
+                series.setdefault((case.tier, case.mode), []).append((case.tokens, case.ttft_s))
+        for (tier, mode), points in sorted(
+            series.items(), key=lambda item: item[0][0] != "recompute"
+        ):
+            points.sort()
+            xs, ys = zip(*points, strict=True)
+            ax.plot(
+                xs,
+                [1e3 * y for y in ys],
+                linestyle="--" if mode == "whole" else "-",
+                marker={"whole": "s", "layerwise": "^"}.get(mode, "o"),
+                color=COLORS.get(tier),
+                label=tier if mode == "-" else f"{tier} {mode}",
+                markersize=4,
+            )
+        bounds = sorted(
+            (c.tokens, c.bound_s)
+            for c in report.cases
+            if pct and c.cached_pct == pct and c.tier == "L1" and c.mode == "layerwise"
+        )
+        if bounds:
+            xs, ys = zip(*bounds, strict=True)
+            ax.plot(xs, [1e3 * (y or 0.0) for y in ys], "k:", label="bound max(load, compute)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"{pct}% of the prompt cached")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"TTFT, {report.options.get('model', 'Llama')}, {report.device_name}; "
+        f"{report.ceiling_label} ceiling {report.h2d_gbps:.1f} GB/s"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log(f"plot written to {path}")
+    return True
+
+
+# -- main ---------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2k and 8k only, fewer repeats")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--png", type=Path, help="write the plots here (needs matplotlib)")
+    parser.add_argument("--device", help="cuda (default) or cpu (the default with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and prompts (CPU runs)")
+    parser.add_argument("--lengths", help="prompt lengths, comma-separated (e.g. 2048,8192)")
+    parser.add_argument("--reps", type=int, help="timed runs per case (after one warm-up)")
+    parser.add_argument("--tiers", default="L1,L2,L3", help="which of L1, L2, L3 to load from")
+    parser.add_argument("--l2-dir", help="parent of the L2 directory (default: the temp dir)")
+    parser.add_argument(
+        "--cold-budget-s", type=float, help="estimated seconds of cold-L2 disk reads allowed"
+    )
+    args = parser.parse_args(argv)
+    base = tiny_options() if args.tiny else Options()
+    changes: dict[str, Any] = {"l2_dir": args.l2_dir}
+    changes["tiers"] = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    if args.device:
+        changes["device"] = args.device
+    if args.quick and args.tiny:
+        changes.update(lengths=(128, 256), reps=1)
+    elif args.quick:
+        changes.update(lengths=(2048, 8192), reps=2, ceiling_bytes=GiB // 2)
+        changes.update(disk_probe_bytes=GiB // 4, cold_budget_s=15.0)
+    if args.lengths:
+        changes["lengths"] = tuple(int(x) for x in args.lengths.split(","))
+    if args.reps:
+        changes["reps"] = args.reps
+    if args.cold_budget_s is not None:
+        changes["cold_budget_s"] = args.cold_budget_s
+    return dataclasses.replace(base, **changes), args
+
+
+def print_report(report: Report) -> None:
+    print()
+    print(
+        f"{report.device_name}: {report.ceiling_label} ceiling {report.h2d_gbps:.1f} GB/s; "
+        f"run took {report.wall_s:.0f} s"
+    )
+    for line in summary_lines(report):
+        print(line)
+    print()
+    for line in table_lines(report):
+        print(line)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts, args = parse_args(argv)
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        report = runner.run(run_bench(opts))
+    if args.json:
+        args.json.write_text(json.dumps(report.as_dict(), indent=1))
+    if args.png:
+        write_png(report, args.png)
+    print_report(report)
+    return 1 if report.failed_checks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
