@@ -81,8 +81,12 @@ FRACTIONS = (0, 50, 100)
 RECOMPUTE_TOLERANCE = {"rel": 0.04, "cosine": 0.999}
 
 
+_STARTED = time.perf_counter()
+
+
 def log(message: str) -> None:
-    print(message, flush=True)
+    """A progress line, stamped with the seconds since the bench started."""
+    print(f"[{time.perf_counter() - _STARTED:6.1f} s] {message}", flush=True)
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -103,10 +107,10 @@ class Options:
 
     def __post_init__(self) -> None:
         for n in self.lengths:
-            if n % self.chunk_size or n < 2 * self.chunk_size:
+            if n <= 0 or n % (2 * self.chunk_size):
                 raise ValueError(
-                    f"prompt length {n}: must be a multiple of chunk_size={self.chunk_size} "
-                    "and at least two chunks (50% cached is whole chunks)"
+                    f"prompt length {n}: must be a positive multiple of 2 x chunk_size="
+                    f"{self.chunk_size} (half of it, the 50% case, is whole chunks)"
                 )
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
@@ -427,7 +431,7 @@ async def open_engine(
         l3_timeout_s=60.0,
         prefetch_policy="wait_complete",
         prefetch_l1_fraction=0.95,
-        close_timeout_s=600.0,
+        close_timeout_s=120.0,
     )
     engine = TieredKVEngine(config)
     engine.register_kv_caches(
@@ -440,8 +444,8 @@ async def open_engine(
         yield engine
     finally:
         await engine.aclose()
-        if engine.leaked_on_close:
-            raise RuntimeError(f"engine leaked {engine.leaked_on_close} host bytes at close")
+    if engine.leaked_on_close:
+        raise RuntimeError(f"engine leaked {engine.leaked_on_close} host bytes at close")
 
 
 # -- measurements -------------------------------------------------------------------------------
@@ -763,6 +767,11 @@ async def run_bench(opts: Options) -> Report:
     log(
         f"model: {params / 1e9:.2f}e9 parameters ({opts.shape.num_layers} layers), paged KV "
         f"{paged.nbytes / GiB:.2f} GiB, built in {time.perf_counter() - t0:.1f} s"
+        + (
+            f"; GPU memory allocated {torch.cuda.memory_allocated(device) / GiB:.1f} GiB"
+            if device.type == "cuda"
+            else ""
+        )
     )
     runner = ModelRunner(model, paged, device)
     bench = Bench(opts, report, runner)
@@ -876,39 +885,76 @@ async def l2_phase(
 
 
 # -- summary ------------------------------------------------------------------------------------
+def fitted_break_even(
+    recompute: Sequence[tuple[int, float]], load: Sequence[tuple[int, float]]
+) -> float | None:
+    """The prompt length above which loading beats recomputing, from fits of the measured
+    times: recompute ``a N + b N^2`` (GEMMs, attention), load ``c + d N`` (fixed cost, bytes);
+    None when the fits never cross (loading never pays off) or there are too few points."""
+    if len(recompute) < 2 or len(load) < 2:
+        return None
+    # Least squares for a, b (2x2 normal equations); b < 0 is noise: refit a alone.
+    s2 = sum(n**2 for n, _ in recompute)
+    s3 = sum(n**3 for n, _ in recompute)
+    s4 = sum(n**4 for n, _ in recompute)
+    t1 = sum(n * t for n, t in recompute)
+    t2 = sum(n**2 * t for n, t in recompute)
+    det = s2 * s4 - s3 * s3
+    a, b = ((t1 * s4 - t2 * s3) / det, (s2 * t2 - s3 * t1) / det) if det else (t1 / s2, 0.0)
+    if b < 0:
+        a, b = t1 / s2, 0.0
+    mean_n = statistics.fmean(n for n, _ in load)
+    mean_t = statistics.fmean(t for _, t in load)
+    var = sum((n - mean_n) ** 2 for n, _ in load)
+    d = sum((n - mean_n) * (t - mean_t) for n, t in load) / var
+    c = mean_t - d * mean_n
+    if c < 0:  # a fixed cost below zero is noise: a line through the origin
+        c, d = 0.0, sum(n * t for n, t in load) / sum(n * n for n, _ in load)
+    # Loading wins where b N^2 + (a - d) N - c > 0.
+    if b > 0:
+        return (-(a - d) + math.sqrt((a - d) ** 2 + 4 * b * c)) / (2 * b)
+    return c / (a - d) if a > d else None
+
+
 def break_even(report: Report) -> dict[str, str]:
     """Per source: from which prompt length loading the whole prompt (100% cached, the faster
-    mode) beats recomputing it, from the measured lengths (interpolated in log length)."""
+    mode) beats recomputing it: from the measured lengths (interpolated in log length) and
+    from fits that extrapolate beyond them (`fitted_break_even`)."""
     out: dict[str, str] = {}
+    recompute = sorted((c.tokens, c.ttft_s) for c in report.cases if c.tier == "recompute")
     for tier in ("L1", "L2 warm", "L2 cold", "L3"):
         points = []
-        for n in sorted({c.tokens for c in report.cases}):
+        for n, recompute_s in recompute:
             cases = [c for c in report.cases if (c.tier, c.tokens, c.cached_pct) == (tier, n, 100)]
-            if cases and cases[0].recompute_s:
-                best = min(c.ttft_s for c in cases)
-                points.append((n, best / cases[0].recompute_s))
+            if cases:
+                points.append((n, min(c.ttft_s for c in cases), recompute_s))
         if not points:
             continue
-        ratios = ", ".join(f"{n}: {r:.2f}" for n, r in points)
-        wins = [n for n, r in points if r < 1.0]
+        ratios = ", ".join(f"{n}: {t / r:.2f}" for n, t, r in points)
+        wins = [n for n, t, r in points if t < r]
         if len(wins) == len(points):
             text = f"pays off at every measured length (>= {points[0][0]} tokens)"
         elif not wins:
             text = f"does not pay off at any measured length (<= {points[-1][0]} tokens)"
         else:
-            text = "pays off and loses at different lengths"
-            for (n0, r0), (n1, r1) in itertools.pairwise(points):
+            text = "pays off at some measured lengths and not at others"
+            for (n0, t0, q0), (n1, t1, q1) in itertools.pairwise(points):
+                r0, r1 = t0 / q0, t1 / q1
                 if (r0 < 1.0) != (r1 < 1.0):
                     frac = -math.log(r0) / (math.log(r1) - math.log(r0))
                     crossing = math.exp(math.log(n0) + frac * (math.log(n1) - math.log(n0)))
                     if r1 < 1.0:
-                        text = (
-                            f"pays off above about {crossing:.0f} tokens (recomputing wins below)"
-                        )
+                        text = f"pays off above about {crossing:.0f} tokens, not below"
                     else:
                         text = f"stops paying off above about {crossing:.0f} tokens"
                     break
-        out[tier] = f"{text} (TTFT / recompute by length: {ratios})"
+        fitted = fitted_break_even(recompute, [(n, t) for n, t, _ in points])
+        fit = (
+            f"fit: pays off above about {fitted:.0f} tokens"
+            if fitted is not None
+            else "fit: never pays off"
+        )
+        out[tier] = f"{text}; {fit} (TTFT / recompute by length: {ratios})"
     return out
 
 
@@ -992,7 +1038,7 @@ def table_lines(report: Report) -> list[str]:
         ratio = f"{case.ratio:6.2f}x" if case.ratio is not None else f"{'-':>7}"
         speed = f"{case.speedup:7.2f}x" if case.speedup is not None else f"{'-':>8}"
         rate = (
-            f"{case.loaded_tokens * report.kv_bytes_per_token / case.ttft_s / 1e9:9.1f}"
+            f"{case.loaded_tokens * report.kv_bytes_per_token / case.ttft_s / 1e9:9.2f}"
             if case.loaded_tokens
             else f"{'-':>9}"
         )
@@ -1112,6 +1158,12 @@ def print_report(report: Report) -> None:
     for line in summary_lines(report):
         print(line)
     print()
+    print(
+        "bound: whole = load + compute, layerwise = max(load, compute), 0% cached = recompute; "
+        f"load = KV bytes / {report.ceiling_label} ceiling; compute = prefill of the uncached "
+        "tokens over the resident prefix; speedup = recompute / TTFT; load GB/s = KV bytes "
+        "loaded / TTFT"
+    )
     for line in table_lines(report):
         print(line)
 

@@ -7,6 +7,7 @@ instead of skipping it, so the TTFT bench's logic cannot drop out of CI unnotice
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -155,3 +156,16 @@ def test_break_even_interpolates_in_log_length() -> None:
     # TTFT / recompute: 2.0 at 2048, 0.5 at 8192: crosses 1 halfway in log length.
     assert found["L2 cold"].startswith("pays off above about 4096 tokens")
     assert found["L1"].startswith("pays off at every measured length")
+
+
+def test_fitted_break_even_extrapolates_past_the_measured_lengths() -> None:
+    a, b, c, d = 2.7e-5, 4e-10, 0.005, 2.6e-4  # recompute a N + b N^2; a slow load c + d N
+    lengths = (2048, 8192, 32768)
+    recompute = [(n, a * n + b * n * n) for n in lengths]
+    load = [(n, c + d * n) for n in lengths]
+    expected = (-(a - d) + math.sqrt((a - d) ** 2 + 4 * b * c)) / (2 * b)
+    found = ttft.fitted_break_even(recompute, load)
+    assert found is not None and abs(found - expected) <= 1e-6 * expected
+    assert 5e5 < found < 7e5  # beyond every measured length
+    # A load slower per token than a linear recompute never catches up.
+    assert ttft.fitted_break_even([(n, a * n) for n in lengths], load) is None
