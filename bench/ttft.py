@@ -35,6 +35,12 @@ must agree within bf16 tolerance (see `RECOMPUTE_TOLERANCE`).
 
 Prints progress, then the checks, break-even lengths and a table last; ``--json PATH`` writes
 every figure, ``--png PATH`` the plots. Exits 1 when a correctness check fails.
+
+Resources (full run): GPU memory about 15 GiB of weights + 4 GiB of paged KV (32k tokens) + up
+to about 6 GiB of prefill activations (the 50%-cached 32k prefill builds a 16k x 32k mask);
+pinned host memory about 5.4 GiB per engine (two at once); the L2 directory and the L3 server
+each hold every prompt's KV (5.6 GB). Cold L2 cases are limited by ``--cold-budget-s`` of
+estimated disk reads, from the disk's read rate measured in the run.
 """
 
 from __future__ import annotations
@@ -745,8 +751,15 @@ async def run_bench(opts: Options) -> Report:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/ttft.py: no CUDA device (use --device cpu --tiny on CPU)")
-    options = {k: str(v) for k, v in dataclasses.asdict(opts).items()}
+    import transformers
+
+    options: dict[str, Any] = dataclasses.asdict(opts)
     options["model"] = "Llama-3-8B-shaped" if opts.shape == LLAMA3_8B else "tiny Llama"
+    options["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
     report = Report(
         options=options,
         kv_bytes_per_token=opts.shape.kv_bytes_per_token,
