@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
@@ -72,9 +72,11 @@ def build_model(shape: ModelShape, device: torch.device, seed: int = 0) -> Llama
     downloaded); transformers' own init (normal, std 0.02) runs there, fast on a GPU."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(
+        model = AutoModelForCausalLM.from_config(
             shape.config(), dtype=torch.bfloat16, attn_implementation="sdpa"
         )
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"expected a LlamaForCausalLM, got {type(model).__name__}")
     model.eval()
     model.requires_grad_(False)
     return model
