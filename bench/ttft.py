@@ -1062,6 +1062,48 @@ def table_lines(report: Report) -> list[str]:
     return lines
 
 
+def plain_log_labels(ax: Any) -> None:
+    """Tick labels as plain numbers (12, 30) instead of powers of ten on a log axis."""
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+
+
+def plot_speedups(report: Report, ax: Any, lengths: Sequence[int]) -> None:
+    """Speedup over recomputing, whole prompt cached (the faster mode per source), against
+    the physical bound ``recompute / max(load, compute)``."""
+    for tier in ("L1", "L2 warm", "L2 cold", "L3"):
+        points = []
+        for n in lengths:
+            cases = [c for c in report.cases if (c.tokens, c.cached_pct, c.tier) == (n, 100, tier)]
+            if cases:
+                points.append((n, max(c.speedup or 0.0 for c in cases)))
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, "-o", color=COLORS.get(tier), label=tier, markersize=4)
+    bound = []
+    for n in lengths:
+        load = report.find(n, 100, "L1", "whole")
+        compute = report.find(n, 100, "compute", "-")
+        if load and compute and load.load_bound_s and load.recompute_s:
+            bound.append((n, load.recompute_s / max(load.load_bound_s, compute.ttft_s)))
+    if bound:
+        xs, ys = zip(*bound, strict=True)
+        ax.plot(xs, ys, "k:", label="physical bound")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    plain_log_labels(ax)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("recompute / TTFT")
+    ax.set_title("speedup over recomputing, 100% cached")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 COLORS = {"recompute": "black", "L1": "tab:blue", "L2 warm": "tab:orange"}
 COLORS.update({"L2 cold": "tab:red", "L3": "tab:green"})
 
@@ -1074,13 +1116,12 @@ def write_png(report: Report, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import ScalarFormatter
     except ImportError:
         log(f"matplotlib is not importable (pip install -e '.[bench]'): no plot written to {path}")
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     lengths = sorted({c.tokens for c in report.cases})
-    for ax, pct in zip(axes, FRACTIONS, strict=True):
+    for ax, pct in zip(axes[:3], FRACTIONS, strict=True):
         series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for case in report.cases:
             if case.tier == "recompute" or (case.cached_pct == pct and case.tier != "compute"):
@@ -1110,12 +1151,13 @@ def write_png(report: Report, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(lengths, [str(n) for n in lengths])
-        ax.yaxis.set_major_formatter(ScalarFormatter())
+        plain_log_labels(ax)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT (ms)")
         ax.set_title(f"{pct}% of the prompt cached")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    plot_speedups(report, axes[3], lengths)
     fig.suptitle(
         f"TTFT, {report.options.get('model', 'Llama')}, {report.device_name}; "
         f"{report.ceiling_label} ceiling {report.h2d_gbps:.1f} GB/s"
