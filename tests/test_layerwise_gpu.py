@@ -155,17 +155,27 @@ class DelayedLayerMover(CudaMover):
         self,
         state: Any,
         group: GroupPlan,
+        jobs: Sequence[Job],
+        *,
         side: Any,
         to_host: bool,
         block_size: int,
         device_ids: int,
         ctas: int,
-        jobs: Sequence[Job],
     ) -> None:
         if not to_host and any(job[4] == self.delayed_layer for job in jobs):
             with torch.cuda.stream(side.kernel_stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
-        super()._launch_jobs(state, group, side, to_host, block_size, device_ids, ctas, jobs)
+        super()._launch_jobs(
+            state,
+            group,
+            jobs,
+            side=side,
+            to_host=to_host,
+            block_size=block_size,
+            device_ids=device_ids,
+            ctas=ctas,
+        )
 
 
 async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_back() -> None:

@@ -10,7 +10,6 @@ policies). Nothing of an aborted or failed store is ever visible. Must not touch
 from __future__ import annotations
 
 import asyncio
-import collections
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -48,8 +47,7 @@ class LayerwiseStore:
         self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()  # `_saved` is checked from the caller's thread
         self._saved: set[int] = set()
-        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
-        self._worker: asyncio.Task[None] | None = None
+        self._save = mover.begin_gather(layout, self._block_ids, self._transfers)
         self._error: BaseException | None = None
         self._ended = False
         self._on_end = on_end
@@ -87,28 +85,23 @@ class LayerwiseStore:
             self._loop.call_soon_threadsafe(self._queue, layer, after)
 
     def _queue(self, layer: int, after: Any) -> None:
-        self._pending.append((layer, after))
-        if self._worker is None or self._worker.done():
-            self._worker = self._loop.create_task(self._copy_pending())
-
-    async def _copy_pending(self) -> None:
-        """One layer after another, in the order they were saved; the first failure stops it."""
-        while self._pending and self._error is None:
-            layer, after = self._pending.popleft()
-            try:
-                await self._mover.gather(
-                    self._layout, self._block_ids, self._transfers, layers=(layer,), after=after
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._error = exc
+        """On the loop: hand the layer to the mover (a failure is kept for commit)."""
+        if self._error is not None or not self._staged:
+            return
+        try:
+            self._save.save(layer, after)
+        except Exception as exc:
+            self._error = exc
 
     async def _drain(self) -> None:
         # A save_layer from another thread may still be on its way to the loop: let it land.
         await asyncio.sleep(0)
-        while self._worker is not None and not self._worker.done():
-            await asyncio.shield(self._worker)
+        try:
+            await self._save.finish()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._error = self._error or exc
 
     async def commit(self) -> int:
         """Wait for every layer's copy, then make the chunks visible; returns tokens newly
@@ -152,7 +145,6 @@ class LayerwiseStore:
             self._ended = True
         if already:
             return
-        self._pending.clear()
         try:
             await self._drain()
         finally:

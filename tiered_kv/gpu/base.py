@@ -19,6 +19,7 @@ caller waits per layer (`LayerLoad.wait_layer`) instead of for the whole call.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -78,6 +79,58 @@ class LayerLoad(abc.ABC):
         the load running to its end."""
 
 
+class LayerSave:
+    """A layerwise gather being filled: `save` queues one model layer's copy-out, ordered after
+    an event of its producer; `finish` waits for every queued copy (its bytes are in the host
+    objects when it returns). Called on the loop that began it. The mover holds its own
+    references to the objects until `finish` has seen every copy end.
+
+    This default queues each layer as its own `KVMover.gather` call, one after another; movers
+    with cheaper per-layer enqueues override `KVMover.begin_gather`."""
+
+    def __init__(
+        self,
+        mover: KVMover,
+        layout: KVCacheLayout,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+    ) -> None:
+        self._mover = mover
+        self._layout = layout
+        self._block_ids = list(block_ids)
+        self._transfers = list(transfers)
+        self._pending: list[tuple[int, Any]] = []
+        self._worker: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    def save(self, layer: int, after: Any = None) -> None:
+        self._pending.append((layer, after))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._copy_pending())
+
+    async def _copy_pending(self) -> None:
+        while self._pending and self._error is None:
+            layer, after = self._pending.pop(0)
+            try:
+                await self._mover.gather(
+                    self._layout, self._block_ids, self._transfers, layers=(layer,), after=after
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._error = exc
+
+    async def finish(self) -> None:
+        """Until every saved layer is copied; raises `TieredKVError` if a copy failed (the
+        copies still running are waited for first)."""
+        while self._worker is not None and not self._worker.done():
+            await asyncio.shield(self._worker)
+        if self._error is not None:
+            from tiered_kv.errors import TieredKVError
+
+            raise TieredKVError(f"layerwise gather failed: {self._error}") from self._error
+
+
 class FinishedLayerLoad(LayerLoad):
     """A load whose copies have all finished, and ordered the caller's stream after them."""
 
@@ -123,6 +176,13 @@ class KVMover(abc.ABC):
         and returns a load whose layers are all ready."""
         await self.scatter(layout, block_ids, transfers)
         return FinishedLayerLoad(layout.num_layers)
+
+    def begin_gather(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerSave:
+        """A layerwise gather into ``transfers``' objects, filled one `LayerSave.save` per layer
+        as the producer makes them."""
+        return LayerSave(self, layout, block_ids, transfers)
 
     def prepare(self, layout: KVCacheLayout) -> None:  # noqa: B027 - optional hook
         """Called when caches are registered: do here what would otherwise stall the first

@@ -37,7 +37,14 @@ from typing import Any
 import torch
 
 from tiered_kv.errors import LayoutError, TieredKVError
-from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, check_layers, layer_places
+from tiered_kv.gpu.base import (
+    ChunkTransfer,
+    KVMover,
+    LayerLoad,
+    LayerSave,
+    check_layers,
+    layer_places,
+)
 from tiered_kv.gpu.completion import CompletionWaiter
 from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
 from tiered_kv.gpu.kernels import DeviceKernels, check_driver, load_kernels, release_kernels
@@ -134,6 +141,7 @@ class _Call:
     layers: tuple[int, ...] | None = None  # model layers moved (None: all, chunk-major)
     after: Any = None  # event the paged-cache side waits for, instead of the caller's stream
     layer_events: list[torch.cuda.Event] | None = None  # a layerwise scatter's, per layer
+    learn: bool = True  # teach the clock this call's rate (not for gathers with gaps)
 
 
 class CudaMover(KVMover):
@@ -214,6 +222,13 @@ class CudaMover(KVMover):
             "scatter", layout, block_ids, transfers, layers=check_layers(layout, None), load=load
         )
         return load
+
+    def begin_gather(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerSave:
+        """One call for the whole layerwise gather: each `save` enqueues that layer's fills at
+        once (no completion per layer), and `finish` waits for the last copy."""
+        return _CudaLayerSave(self, layout, block_ids, transfers)
 
     def stats(self) -> dict[str, int | float]:
         return {
@@ -372,7 +387,7 @@ class CudaMover(KVMover):
         buffers = call.buffers
         if call.trace is not None:
             call.trace["finish"] = time.perf_counter()
-        if error is None:
+        if error is None and call.learn:
             call.side.clock.observe(call.nbytes, buffers.begun.elapsed_time(buffers.done) / 1e3)
             direction = call.direction
             self._counters[f"{direction}_{call.path}_bytes"] += call.nbytes
@@ -393,6 +408,89 @@ class CudaMover(KVMover):
                 )
         if not self._inflight and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
+
+    def _save_layer(self, save: _CudaLayerSave, layer: int, after: Any) -> None:
+        """Enqueue one layer of a layerwise gather on the store side, ordered after ``after``
+        (or the current stream): the session's first layer takes the objects, the buffers and
+        the block table."""
+        layout, transfers = save.layout, save.transfers
+        call = save.call
+        if call is None:
+            state = self._state(layout.device)
+            plan = self._plan(state, layout)
+            side = state.store
+            call = _Call(
+                direction="gather",
+                state=state,
+                side=side,
+                buffers=state.take_buffers(),
+                held=_hold(transfers),
+                nbytes=0,
+                result=asyncio.get_running_loop().create_future(),
+                path=plan.path,
+                start=time.perf_counter(),
+                learn=False,
+            )
+            save.call, save.plan = call, plan
+            state.kernels.make_current()
+            if plan.path == "staging":
+                side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
+            first = side.dma_stream if plan.path == "dma" else side.kernel_stream
+            call.buffers.begun.record(first)
+            if plan.path != "dma":
+                save.device_ids = call.buffers.upload_ids(save.block_ids, side.kernel_cu)
+        state, side, saved_plan = call.state, call.side, save.plan
+        if saved_plan is None:  # unreachable: set with the call
+            raise TieredKVError("layerwise gather without a plan")
+        plan = saved_plan
+        state.kernels.make_current()
+        if after is None:
+            after = call.buffers.ready
+            after.record(torch.cuda.current_stream(state.device))
+        first = side.dma_stream if plan.path == "dma" else side.kernel_stream
+        first.wait_event(after)
+        layers = (layer,)
+        if plan.path == "dma":
+            self._enqueue_dma(plan, side, True, save.block_ids, transfers, layers)
+        elif plan.path == "mapped":
+            self._enqueue_mapped(state, plan, side, True, save.device_ids, transfers, layers)
+        else:
+            launch = functools.partial(
+                self._launch_jobs,
+                state,
+                side=side,
+                to_host=True,
+                block_size=plan.layout.block_size,
+                device_ids=save.device_ids,
+                ctas=self.options.staging_ctas,
+            )
+            for fill in slot_fills(plan, transfers, side.slot_bytes, ramp_up=True, layers=layers):
+                enqueue_fill(side, fill, True, functools.partial(launch, fill.group))
+        save.last_bytes = sum(moved_bytes(plan, t, True, layers) for t in transfers)
+        call.nbytes += save.last_bytes
+
+    async def _finish_save(self, save: _CudaLayerSave) -> None:
+        """Record the session's end after its last queued copy and wait for it."""
+        call, plan = save.call, save.plan
+        if call is None or plan is None:  # unreachable: finish checks
+            raise TieredKVError("layerwise gather finished before it began")
+        if not save.submitted:
+            save.submitted = True
+            side = call.side
+            call.state.kernels.make_current()
+            call.buffers.done.record(
+                side.kernel_stream if plan.path == "mapped" else side.dma_stream
+            )
+            start, predicted = side.clock.schedule(save.last_bytes, time.perf_counter())
+            self._inflight.add(call)
+            self._waiter.submit(
+                call.buffers.done,
+                start,
+                predicted,
+                asyncio.get_running_loop(),
+                lambda seen, error: self._finish(call, seen, error),
+            )
+        await asyncio.shield(call.result)
 
     def _release(self, call: _Call) -> None:
         for obj in call.held:
@@ -458,12 +556,13 @@ class CudaMover(KVMover):
         self,
         state: _DeviceState,
         group: GroupPlan,
+        jobs: Sequence[Job],
+        *,
         side: Direction,
         to_host: bool,
         block_size: int,
         device_ids: int,
         ctas: int,
-        jobs: Sequence[Job],
     ) -> None:
         self._launch(state, group, side.kernel_cu, to_host, block_size, device_ids, jobs, ctas)
 
@@ -612,11 +711,16 @@ class CudaMover(KVMover):
             fill_ctas = ctas * EDGE_CTA_FACTOR if edge else ctas
 
             launch = functools.partial(
-                self._launch_jobs, state, fill.group, side, to_host, block_size, device_ids
+                self._launch_jobs,
+                state,
+                fill.group,
+                side=side,
+                to_host=to_host,
+                block_size=block_size,
+                device_ids=device_ids,
+                ctas=fill_ctas,
             )
-            nbytes = enqueue_fill(
-                side, fill, to_host, functools.partial(launch, fill_ctas), call.layer_events
-            )
+            nbytes = enqueue_fill(side, fill, to_host, launch, call.layer_events)
             if call.trace is not None and not queued:
                 call.trace["first_copy"] = time.perf_counter()
             queued += nbytes
@@ -674,6 +778,36 @@ class CudaMover(KVMover):
             driver.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream),
             "cuMemcpyBatchAsync",
         )
+
+
+class _CudaLayerSave(LayerSave):
+    """`CudaMover`'s layerwise gather: one `_Call` from the first `save` to `finish`."""
+
+    def __init__(
+        self,
+        mover: CudaMover,
+        layout: KVCacheLayout,
+        block_ids: Sequence[int],
+        transfers: Sequence[ChunkTransfer],
+    ) -> None:
+        super().__init__(mover, layout, block_ids, transfers)
+        self.cuda = mover
+        self.layout = layout
+        self.block_ids = list(block_ids)
+        self.transfers = list(transfers)
+        self.call: _Call | None = None
+        self.plan: LayoutPlan | None = None
+        self.device_ids = 0
+        self.last_bytes = 0
+        self.submitted = False
+
+    def save(self, layer: int, after: Any = None) -> None:
+        if self.transfers:
+            self.cuda._save_layer(self, layer, after)
+
+    async def finish(self) -> None:
+        if self.call is not None:
+            await self.cuda._finish_save(self)
 
 
 def _layer_steps(call: _Call) -> list[tuple[int, ...] | None]:
