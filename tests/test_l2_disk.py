@@ -30,7 +30,7 @@ from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.tiers import l2_disk
-from tiered_kv.tiers.l2_disk import DiskTier, FileOps, chunk_specs, scan_directory
+from tiered_kv.tiers.l2_disk import DiskTier, FileOps, scan_directory
 from tiered_kv.tiers.testing import FullDiskFileOps
 
 CHUNK = 16
@@ -180,7 +180,7 @@ async def test_file_is_a_codec_frame(tier: DiskTier, arena: HostArena, root: Pat
         header, payloads = decode_chunk(path_of(root, key).read_bytes())
         assert header.key_bytes == key.to_bytes()
         assert header.num_tokens == CHUNK
-        assert header.groups == chunk_specs(obj)
+        assert header.groups == obj.group_specs()
         assert header.groups[1] == GroupSpec("int8", (1, 1, CHUNK, 132))
         assert [bytes(p) for p in payloads] == [bytes(b) for b in obj.group_buffers()]
     finally:
@@ -446,7 +446,7 @@ async def test_file_replaced_with_another_layout_is_kept(
     try:
         assert await tier.put(key, source)
         # Same key, 5 tokens: a valid frame, but not what the index (or the reader) expects.
-        parts = encode_chunk(key.to_bytes(), 5, chunk_specs(small), small.group_buffers())
+        parts = encode_chunk(key.to_bytes(), 5, small.group_specs(), small.group_buffers())
         path_of(root, key).write_bytes(b"".join(parts))
         assert not await tier.get_into(key, target)
         assert path_of(root, key).exists()

@@ -65,8 +65,11 @@ from tiered_kv.codec import (
     PREFIX_LEN,
     ChunkHeader,
     CodecLimits,
+    FrameCheck,
     GroupSpec,
     check_encodable,
+    check_frame_header,
+    check_payload_checksum,
     decode_header,
     encode_header,
     encoded_header_len,
@@ -80,7 +83,6 @@ from tiered_kv.errors import (
     TieredKVError,
 )
 from tiered_kv.keys import ChunkKey
-from tiered_kv.layout import DTYPE_NAMES
 from tiered_kv.memory import MemoryObj
 from tiered_kv.tiers.base import LowerTier
 
@@ -101,14 +103,6 @@ _NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 _NO_SPACE_RETRIES = 2
 
 _T = TypeVar("_T")
-
-
-def chunk_specs(obj: MemoryObj) -> tuple[GroupSpec, ...]:
-    """The codec's view of ``obj``: one ``[L, K, T, D]`` spec per host group."""
-    return tuple(
-        GroupSpec(DTYPE_NAMES[group.dtype], group.shape(obj.num_tokens))
-        for group in obj.layout.groups
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -396,6 +390,13 @@ class _ReadOutcome(enum.Enum):
     CORRUPT = "corrupt"
 
 
+_OUTCOMES = {
+    FrameCheck.OTHER_KEY: _ReadOutcome.KEY_MISMATCH,
+    FrameCheck.OTHER_LAYOUT: _ReadOutcome.LAYOUT_MISMATCH,
+    FrameCheck.CORRUPT: _ReadOutcome.CORRUPT,
+}
+
+
 def _read_chunk_file(
     path: Path,
     key_bytes: bytes,
@@ -418,15 +419,11 @@ def _read_chunk_file(
             header = _read_header(file, limits)
         except CodecError as exc:
             return _ReadOutcome.CORRUPT, f"bad header: {exc}"
-        if size != header.total_len:
-            return _ReadOutcome.CORRUPT, f"file is {size} bytes, header says {header.total_len}"
-        if header.key_bytes != key_bytes:
-            return _ReadOutcome.KEY_MISMATCH, "the file holds another key"
-        if header.num_tokens != num_tokens or header.groups != specs:
-            return _ReadOutcome.LAYOUT_MISMATCH, (
-                f"file has {header.num_tokens} tokens {header.groups}, "
-                f"wanted {num_tokens} tokens {specs}"
-            )
+        check, detail = check_frame_header(
+            header, key_bytes=key_bytes, num_tokens=num_tokens, groups=specs, frame_len=size
+        )
+        if check is not FrameCheck.OK:
+            return _OUTCOMES[check], detail
         state = xxhash.xxh3_64()
         for index, buffer in enumerate(buffers):
             for piece in _slices(buffer, _READ_SLICE_BYTES):
@@ -434,12 +431,9 @@ def _read_chunk_file(
                 if not _readinto_exact(file, piece):
                     return _ReadOutcome.CORRUPT, f"short read in group {index}"
                 state.update(piece)
-        computed = state.intdigest()
-        if computed != header.payload_checksum:
-            return _ReadOutcome.CORRUPT, (
-                f"payload checksum mismatch: header {header.payload_checksum:#018x}, "
-                f"data {computed:#018x}"
-            )
+        problem = check_payload_checksum(header, state.intdigest())
+        if problem is not None:
+            return _ReadOutcome.CORRUPT, problem
         # Recency survives a restart: the index is rebuilt in mtime order.
         with contextlib.suppress(OSError):
             os.utime(file.fileno(), ns=(stamp_ns, stamp_ns))
@@ -845,7 +839,7 @@ class DiskTier(LowerTier):
         if self._lock.lost:
             self._counters["put_failures"] += 1
             return False
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         key_bytes = key.to_bytes()
         size = encoded_header_len(len(key_bytes), specs) + sum(spec.nbytes for spec in specs)
         if size + self._reserved > self.capacity:
@@ -1005,7 +999,7 @@ class DiskTier(LowerTier):
         if entry is None:
             self._counters["misses"] += 1
             return False
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         if entry.num_tokens != obj.num_tokens or entry.groups != specs:
             self._counters["layout_mismatch"] += 1
             self._counters["misses"] += 1

@@ -26,6 +26,10 @@ from typing import TYPE_CHECKING
 from tiered_kv.codec import (
     DEFAULT_LIMITS,
     CodecLimits,
+    FrameCheck,
+    GroupSpec,
+    check_frame_header,
+    check_payload_checksum,
     decode_header,
     encode_header,
     encoded_header_len,
@@ -35,7 +39,6 @@ from tiered_kv.errors import CodecError, ConfigError, EngineStateError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.tiers.base import LowerTier
-from tiered_kv.tiers.l2_disk import chunk_specs
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink, RemoteConnector
 
 if TYPE_CHECKING:
@@ -175,7 +178,7 @@ class RemoteTier(LowerTier):
 
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
         self._check_open("put")
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         buffers = obj.group_buffers()
         key_bytes = key.to_bytes()
         started = time.perf_counter()
@@ -199,7 +202,7 @@ class RemoteTier(LowerTier):
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
         self._check_open("get_into")
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         key_bytes = key.to_bytes()
         sink = FrameSink(bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers())
         started = time.perf_counter()
@@ -237,26 +240,25 @@ class RemoteTier(LowerTier):
         return True
 
     def _verify(
-        self, key_bytes: bytes, num_tokens: int, specs: object, sink: FrameSink
+        self, key_bytes: bytes, num_tokens: int, specs: tuple[GroupSpec, ...], sink: FrameSink
     ) -> str | None:
         """None when the frame is ours and intact; else "layout" or what is corrupt."""
         try:
             header = decode_header(sink.header, self.limits)
         except CodecError as exc:
             return f"bad header: {exc}"
-        if header.key_bytes != key_bytes:
-            return "the frame holds another key"
-        if header.num_tokens != num_tokens or header.groups != specs:
+        check, detail = check_frame_header(
+            header,
+            key_bytes=key_bytes,
+            num_tokens=num_tokens,
+            groups=specs,
+            frame_len=sink.total_len,
+        )
+        if check is FrameCheck.OTHER_LAYOUT:
             return "layout"
-        if header.header_len != len(sink.header):
-            return f"header is {header.header_len} bytes, expected {len(sink.header)}"
-        computed = sink.hasher.intdigest()
-        if computed != header.payload_checksum:
-            return (
-                f"payload checksum mismatch: header {header.payload_checksum:#018x}, "
-                f"data {computed:#018x}"
-            )
-        return None
+        if check is not FrameCheck.OK:  # another key under this key's name: corrupt here
+            return detail
+        return check_payload_checksum(header, sink.hasher.intdigest())
 
     async def _remove_corrupt(self, key: ChunkKey) -> None:
         self._forget(key)
