@@ -197,7 +197,7 @@ async def test_write_back_with_a_full_queue_refuses_eviction_instead_of_dropping
 ) -> None:
     inner = MemoryTier()
     tier = FaultyTier(inner)
-    config = _config(write_policy="write_back", l2_write_queue=1)
+    config = _config(write_policy="write_back", lower_write_queue=1)
     async with TieredKVEngine(config, lower_tiers=[tier]) as e:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
@@ -290,7 +290,7 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
     inner = MemoryTier()
     tier = FaultyTier(inner)
     tier.gate = asyncio.Event()  # the tier never finishes a write until opened
-    async with TieredKVEngine(_config(l2_write_queue=1), lower_tiers=[tier]) as e:
+    async with TieredKVEngine(_config(lower_write_queue=1), lower_tiers=[tier]) as e:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         # A hang guard, not a timing claim: store must not wait for the stuck tier.
         assert await asyncio.wait_for(e.store(TOKENS, SRC), 5.0) == 100

@@ -31,6 +31,7 @@ from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.prefetch import PrefetchController, PrefetchHandle
 from tiered_kv.storage import StorageManager
+from tiered_kv.tiers import factory as tier_factory
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
 
@@ -153,7 +154,6 @@ class TieredKVEngine:
         # Prefetches started by lookup, consumed by the retrieve of the same tokens.
         self._implicit: OrderedDict[tuple[str, ChunkKey], PrefetchHandle] = OrderedDict()
         self._mover: KVMover | None = None
-        self._l2: LowerTier | None = None
         self._closed = False
         # Tasks inside a public verb (with nesting depth): aclose lets them finish first.
         self._calls: dict[asyncio.Task[Any], int] = {}
@@ -168,23 +168,11 @@ class TieredKVEngine:
             return self
         self._arena = HostArena(self.config.l1_bytes, pin=self.config.pin_memory)
         l1 = L1Tier(self._arena)
-        lower: list[LowerTier] = []
-        if self.config.l2_path is not None:
-            from tiered_kv.tiers.l2_disk import DiskTier
-
-            self._l2 = DiskTier(
-                self.config.l2_path, self.config.l2_bytes, fsync=self.config.l2_fsync
-            )
-            lower.append(self._l2)
-        if self.config.l3_url is not None:
-            from tiered_kv.tiers.l3_remote import remote_tier_from_config
-
-            lower.append(remote_tier_from_config(self.config))
-        lower.extend(self._extra_tiers)
+        lower = [*tier_factory.lower_tiers(self.config), *self._extra_tiers]
         storage = StorageManager(
             l1,
             lower,
-            write_queue=self.config.l2_write_queue,
+            write_queue=self.config.lower_write_queue,
             write_policies={tier.name: self.config.write_policy_for(tier.name) for tier in lower},
             selective_min_hits=self.config.selective_min_hits,
         )
@@ -726,8 +714,6 @@ class TieredKVEngine:
         if self._arena is not None and not self._arena.closed:
             arena = dataclasses.asdict(self._arena.stats())
             out["arena"] = {k: int(v) for k, v in arena.items()}
-        if self._l2 is not None:
-            out["l2"] = dict(self._l2.stats())
         if self._mover is not None:
             out["mover"] = dict(self._mover.stats())
         out["throughput"] = metrics.throughput_gbps(out)

@@ -2,7 +2,7 @@
 
 Owns the codec glue (frames built from and verified into `MemoryObj` buffers), per-request
 timeouts, the local set of keys known to be remote (what `contains` answers from), and the
-counters. `remote_tier_from_config` picks the connector from ``EngineConfig.l3_url``.
+counters. `tiered_kv.tiers.factory` builds it from ``EngineConfig.l3_url``.
 
 Must not: raise into the serving path (every failure or timeout is a miss or a skipped store,
 logged and counted), keep `MemoryObj`s or change their reference counts, hand out bytes whose
@@ -18,7 +18,6 @@ import asyncio
 import collections
 import logging
 import time
-import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -297,21 +296,6 @@ def _name(key: ChunkKey | None) -> str:
 
 
 # -- configuration ------------------------------------------------------------------------------
-TKV_SCHEME = "tkv"
-
-
-def parse_tkv_url(url: str) -> tuple[str, int]:
-    """(host, port) of a ``tkv://host:port`` URL; `ConfigError` when malformed."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != TKV_SCHEME or not parts.hostname or port is None:
-        raise ConfigError(f"l3_url: expected tkv://host:port, got {url!r}")
-    return parts.hostname, port
-
-
 def read_token_file(path: str) -> bytes:
     """The token in ``path`` (one trailing newline dropped); `ConfigError` when unusable."""
     try:
@@ -324,32 +308,8 @@ def read_token_file(path: str) -> bytes:
     return token
 
 
-def remote_tier_from_config(config: EngineConfig) -> LowerTier:
-    """The L3 tier ``config.l3_url`` names: ``tkv://`` for the built-in server, ``redis://``,
-    ``rediss://``, ``valkey://`` (and ``+cluster`` forms, e.g. ``redis+cluster://``) for Redis."""
-    url = config.l3_url
-    if url is None:
-        raise ConfigError("l3_url: not set")
-    scheme = urllib.parse.urlsplit(url).scheme
-    token = None if config.l3_token_file is None else read_token_file(config.l3_token_file)
-    connector: RemoteConnector
-    if scheme == TKV_SCHEME:
-        from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
+def remote_tier_from_config(config: EngineConfig) -> RemoteTier:
+    """`tiered_kv.tiers.factory.remote_tier`, under the name callers used before the factory."""
+    from tiered_kv.tiers.factory import remote_tier  # the factory imports this module
 
-        host, port = parse_tkv_url(url)
-        options = ClientOptions(pool_size=config.l3_pool_size, timeout_s=config.l3_timeout_s)
-        connector = TkvConnector(RemoteClient(host, port, token=token, options=options))
-    else:
-        from tiered_kv.tiers.remote.redis import SCHEMES, RedisConnector
-
-        if scheme not in SCHEMES:
-            raise ConfigError(f"l3_url: unknown scheme {scheme!r}; use tkv, {', '.join(SCHEMES)}")
-        connector = RedisConnector(
-            url,
-            key_prefix=config.l3_key_prefix,
-            ttl_s=config.l3_ttl_s,
-            timeout_s=config.l3_timeout_s,
-            password=None if token is None else token.decode("utf-8", "replace"),
-            max_connections=max(config.l3_pool_size, 8),
-        )
-    return RemoteTier(connector, timeout_s=config.l3_timeout_s)
+    return remote_tier(config)
