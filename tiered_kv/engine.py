@@ -1,4 +1,4 @@
-"""`TieredKVEngine`, the facade serving stacks call, and `SyncTieredKVEngine`, its blocking twin.
+"""`TieredKVEngine`, the facade serving stacks call (its blocking twin is in `tiered_kv.sync`).
 
 Owns: registrations of KV caches (model, world size, worker → layout + key scope), the request
 verbs (store / lookup / prefetch / retrieve), the prefetch policies of retrieve, argument
@@ -15,11 +15,10 @@ import dataclasses
 import functools
 import logging
 import operator
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
@@ -780,206 +779,18 @@ def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:
     return token_ids[: count - count % multiple]
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed, else the stdlib loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+# Moved to `tiered_kv.sync`; still importable from here (the CLI and benches do).
+if TYPE_CHECKING:
+    from tiered_kv.sync import SyncPrefetchHandle as SyncPrefetchHandle
+    from tiered_kv.sync import SyncTieredKVEngine as SyncTieredKVEngine
+    from tiered_kv.sync import new_event_loop as new_event_loop
+
+_MOVED_TO_SYNC = ("SyncTieredKVEngine", "SyncPrefetchHandle", "new_event_loop")
 
 
-class SyncTieredKVEngine:
-    """Blocking facade: the engine's loop (uvloop when present) runs in its own thread.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_SYNC:
+        from tiered_kv import sync  # sync imports this module: import it lazily
 
-    Same verbs as `TieredKVEngine`, for callers without an event loop. Thread-safe: calls from
-    several threads are serialized onto the engine's loop.
-    """
-
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        *,
-        mover: KVMover | None = None,
-        lower_tiers: Sequence[LowerTier] = (),
-    ) -> None:
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="tiered-kv-loop", daemon=True
-        )
-        self._thread.start()
-        self._engine = TieredKVEngine(config, mover=mover, lower_tiers=lower_tiers)
-        self._closed = False
-        try:
-            self._call(self._engine.open())
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    @property
-    def engine(self) -> TieredKVEngine:
-        return self._engine
-
-    @property
-    def config(self) -> EngineConfig:
-        return self._engine.config
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise EngineStateError("SyncTieredKVEngine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def register_kv_caches(
-        self,
-        kv_caches: Sequence[Any] | Mapping[str, Any],
-        *,
-        model_name: str,
-        world_size: int = 1,
-        worker_id: int = 0,
-        layout_hints: Mapping[str, Any] | None = None,
-    ) -> MemoryLayoutDesc:
-        async def register() -> MemoryLayoutDesc:
-            return self._engine.register_kv_caches(
-                kv_caches,
-                model_name=model_name,
-                world_size=world_size,
-                worker_id=worker_id,
-                layout_hints=layout_hints,
-            )
-
-        return self._call(register())
-
-    def store(
-        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
-    ) -> int:
-        return self._call(self._engine.store(token_ids, block_ids, model_name=model_name))
-
-    def lookup(self, token_ids: TokenIds, *, model_name: str | None = None) -> int:
-        return self._call(self._engine.lookup(token_ids, model_name=model_name))
-
-    def retrieve(
-        self,
-        token_ids: TokenIds,
-        block_ids: Sequence[int],
-        *,
-        skip_prefix_tokens: int = 0,
-        model_name: str | None = None,
-        policy: str | None = None,
-    ) -> int:
-        return self._call(
-            self._engine.retrieve(
-                token_ids,
-                block_ids,
-                skip_prefix_tokens=skip_prefix_tokens,
-                model_name=model_name,
-                policy=policy,
-            )
-        )
-
-    def retrieve_detailed(
-        self,
-        token_ids: TokenIds,
-        block_ids: Sequence[int],
-        *,
-        skip_prefix_tokens: int = 0,
-        model_name: str | None = None,
-        policy: str | None = None,
-    ) -> RetrieveResult:
-        return self._call(
-            self._engine.retrieve_detailed(
-                token_ids,
-                block_ids,
-                skip_prefix_tokens=skip_prefix_tokens,
-                model_name=model_name,
-                policy=policy,
-            )
-        )
-
-    def prefetch(self, token_ids: TokenIds, *, model_name: str | None = None) -> SyncPrefetchHandle:
-        """`TieredKVEngine.prefetch` behind a blocking handle."""
-        return SyncPrefetchHandle(
-            self, self._call(self._engine.prefetch(token_ids, model_name=model_name))
-        )
-
-    def metrics_text(self) -> str:
-        async def text() -> str:
-            return self._engine.metrics_text()
-
-        return self._call(text())
-
-    def flush(self, timeout: float | None = None) -> int:
-        return self._call(self._engine.flush(timeout))
-
-    def evict_l1(self, max_bytes: int | None = None) -> int:
-        return self._call(self._engine.evict_l1(max_bytes))
-
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        async def stats() -> dict[str, dict[str, int | float]]:
-            return self._engine.stats()
-
-        return self._call(stats())
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            self._call(self._engine.aclose())
-        finally:
-            self._closed = True
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> SyncTieredKVEngine:
-        return self
-
-    def _run_on_loop(self, fn: Any) -> Any:
-        async def run() -> Any:
-            return fn()
-
-        return self._call(run())
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class SyncPrefetchHandle:
-    """Blocking twin of `PrefetchHandle`; every call hops to the engine's loop. Dropping it
-    frees the reservations like dropping the async handle does."""
-
-    def __init__(self, owner: SyncTieredKVEngine, handle: PrefetchHandle) -> None:
-        self._owner = owner
-        self._handle: PrefetchHandle | None = handle
-        self.hit_tokens = handle.hit_tokens
-
-    def _require(self) -> PrefetchHandle:
-        if self._handle is None:
-            raise EngineStateError("SyncPrefetchHandle: already cancelled")
-        return self._handle
-
-    def done(self) -> bool:
-        handle = self._require()
-        return bool(self._owner._run_on_loop(handle.done))
-
-    def ready_tokens(self) -> int:
-        handle = self._require()
-        return int(self._owner._run_on_loop(handle.ready_tokens))
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Block until the loads finish (at most ``timeout`` seconds); returns ready tokens."""
-        return self._owner._call(self._require().wait(timeout))
-
-    def cancel(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None and not self._owner._closed:
-            self._owner._run_on_loop(handle.cancel)
+        return getattr(sync, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
