@@ -54,6 +54,24 @@ def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
         engine.lookup(TOKENS)
 
 
+def test_blocking_verbs_have_the_async_verbs_signatures() -> None:
+    """Each blocking verb is made from the async one: same parameters and docstring, so the two
+    facades cannot drift apart."""
+    import inspect
+
+    import tiered_kv.engine
+
+    verbs = ["register_kv_caches", "store", "lookup", "retrieve", "retrieve_detailed", "flush"]
+    for name in [*verbs, "evict_l1", "stats", "metrics_text"]:
+        blocking, original = getattr(SyncTieredKVEngine, name), getattr(TieredKVEngine, name)
+        assert inspect.signature(blocking) == inspect.signature(original), name
+        assert blocking.__doc__ == original.__doc__, name
+    # Moved to tiered_kv.sync; the old import path still works.
+    assert tiered_kv.engine.SyncTieredKVEngine is SyncTieredKVEngine
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        _ = tiered_kv.engine.nonexistent
+
+
 async def test_use_before_open_and_after_close_raise() -> None:
     engine = TieredKVEngine(_config())
     caches = make_caches("mla", torch.bfloat16)
