@@ -227,7 +227,7 @@ async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None
             stored += await engine.store(TOKENS[:end], src)
             await engine.flush()
         assert stored == 100
-        assert tier.stats()["entries"] == 4
+        assert tier.stats().entries == 4
         await engine.evict_l1()
         assert await engine.lookup(TOKENS) == 100
         reference = caches.snapshot()

@@ -152,7 +152,7 @@ async def test_write_through_writes_at_store(caches: KVCaches) -> None:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         await e.flush()
-        assert tier.stats()["entries"] == 4
+        assert tier.stats().entries == 4
         assert e.stats()["storage"]["l2_write_done"] == 4
 
 
@@ -165,7 +165,7 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         await e.flush()
-        assert inner.stats()["entries"] == 0  # nothing written at store
+        assert inner.stats().entries == 0  # nothing written at store
         assert e.stats()["l1"]["dirty"] == 4
         tier.gate = asyncio.Event()  # hold the demotions in flight
         await e.evict_l1()
@@ -183,7 +183,7 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
         assert caches.bytes_equal(expected)
         tier.gate.set()
         await e.flush()
-        assert inner.stats()["entries"] == 4
+        assert inner.stats().entries == 4
         stats = e.stats()
         assert stats["storage"]["demoting"] == 0 and stats["l1"]["dirty"] == 0
         await e.evict_l1()  # clean now: evicting queues nothing more
@@ -214,7 +214,7 @@ async def test_write_back_with_a_full_queue_refuses_eviction_instead_of_dropping
             await e.flush()
             await e.evict_l1()
         await e.flush()
-        assert inner.stats()["entries"] == 4  # every chunk reached the tier
+        assert inner.stats().entries == 4  # every chunk reached the tier
         await _no_leak(e)
 
 
@@ -239,17 +239,17 @@ async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
         await e.flush()
-        assert tier.stats()["entries"] == 0
+        assert tier.stats().entries == 0
         assert await e.retrieve(TOKENS[:64], DST) == 64  # chunks 0, 1: one hit each
         await e.flush()
-        assert tier.stats()["entries"] == 0
+        assert tier.stats().entries == 0
         assert await e.retrieve(TOKENS, DST) == 100  # 0, 1: second hit; 2, 3: first
         await e.flush()
-        assert tier.stats()["entries"] == 2
+        assert tier.stats().entries == 2
         assert e.stats()["storage"]["l2_write_admitted"] == 2
         assert await e.retrieve(TOKENS, DST) == 100
         await e.flush()
-        assert tier.stats()["entries"] == 4
+        assert tier.stats().entries == 4
         assert await e.retrieve(TOKENS, DST) == 100  # already there: not written again
         await e.flush()
         stats = e.stats()["storage"]
@@ -269,7 +269,7 @@ async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCac
         )
         await e.store(TOKENS, SRC)
         await e.flush()
-        assert (l2.stats()["entries"], l3.stats()["entries"]) == (0, 4)
+        assert (l2.stats().entries, l3.stats().entries) == (0, 4)
         await e.evict_l1()
         await e.flush()
         assert (l2.puts, l3.puts) == (4, 4)
@@ -299,7 +299,7 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
         assert stats["l2_write_pending"] == 1
         tier.gate.set()
         await e.flush()
-        assert inner.stats()["entries"] == 1
+        assert inner.stats().entries == 1
         assert await e.lookup(TOKENS) == 100  # still served from L1
 
 

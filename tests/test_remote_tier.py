@@ -108,8 +108,8 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
             assert await engine.store(second, src) == 64
             assert await engine.flush(timeout=10) == 0
             down = tier.stats()
-            assert down["exists_failures"] >= 1
-            assert down["put_failures"] >= 1
+            assert down.exists_failures >= 1
+            assert down.put_failures >= 1
             # Back (empty, as a restarted cache is): misses, then new stores land again.
             server = RemoteCacheServer(ServerOptions(port=port))
             await server.start()
@@ -120,7 +120,7 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
             assert await engine.flush(timeout=10) == 0
             assert await engine.evict_l1() > 0
             await retrieve_bit_exact(engine, caches, first, src)
-            assert tier.stats()["client_connects"] >= 2
+            assert tier.stats().client["connects"] >= 2
     finally:
         await server.aclose()
 
@@ -168,10 +168,10 @@ async def test_slow_server_times_out_without_stalling_the_engine() -> None:
             assert await engine.lookup(tokens) == 0
             assert time.perf_counter() - started < 1.0
         stats = tier.stats()
-        assert stats["timeouts"] >= 2
-        assert stats["put_failures"] == 3
-        assert stats["exists_failures"] == 1
-        assert stats["client_aborted_connections"] >= 1  # abandoned PUTs dropped their socket
+        assert stats.timeouts >= 2
+        assert stats.put_failures == 3
+        assert stats.exists_failures == 1
+        assert stats.client["aborted_connections"] >= 1  # abandoned PUTs dropped their socket
     finally:
         tick.cancel()
         server.close()
@@ -281,7 +281,7 @@ async def test_layerwise_keys_partial_chunks_and_corrupt_frames(
         assert await tier.get_into(layer_key, dst)
         assert torch.equal(dst.raw(), src.raw())
         assert not await tier.get_into(layer_key, wrong)  # other token count: a miss
-        assert tier.stats()["layout_mismatch"] == 1
+        assert tier.stats().layout_mismatch == 1
         frame = bytes(tkv_server._store.entries[layer_key.to_bytes()])
         header, _ = decode_chunk(frame)
         assert header.num_tokens == 8
@@ -290,8 +290,8 @@ async def test_layerwise_keys_partial_chunks_and_corrupt_frames(
         tkv_server._store.entries[layer_key.to_bytes()][-1] ^= 0xFF
         assert not await tier.get_into(layer_key, dst)
         stats = tier.stats()
-        assert stats["corrupt"] == 1
-        assert stats["corrupt_removed"] == 1
+        assert stats.corrupt == 1
+        assert stats.corrupt_removed == 1
         assert layer_key.to_bytes() not in tkv_server._store.entries
         assert not tier.contains(layer_key)
         for obj in (src, dst, wrong):

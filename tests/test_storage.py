@@ -66,7 +66,7 @@ async def test_a_chunk_being_demoted_can_be_stored_again_and_read() -> None:
         assert await engine.store(TOKENS, SRC) == 0  # present: nothing stored twice
         tier.gate.set()
         await engine.flush()
-        assert inner.stats()["entries"] == 4 and storage.stats()["demoting"] == 0
+        assert inner.stats().entries == 4 and storage.stats().demoting == 0
         await engine.evict_l1()
         assert engine.stats()["arena"]["used"] == 0
 
@@ -99,6 +99,6 @@ def test_l1_evicts_clean_chunks_before_dirty_ones_and_honours_a_refusal() -> Non
     assert not tier.contains(keys[2]) and tier.contains(keys[0])  # clean LRU went first
     assert tier.evict_unreferenced() == 2 * nbytes  # keys[0] refused, keys[3] and keys[1] go
     assert tier.contains(keys[0]) and len(tier) == 1 and refused == [keys[0]]
-    assert tier.stats()["evictions_refused"] == 1 and tier.stats()["dirty"] == 1
+    assert tier.stats().evictions_refused == 1 and tier.stats().dirty == 1
     tier.clear()
     assert tier.arena.close() == 0

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
-from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.base import ChunkTransfer, KVMover, MoverStats
 from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.keys import ChunkKey, KeyScope, TokenIds, chunk_keys
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
@@ -80,7 +80,9 @@ class Registration:
 
 
 @dataclasses.dataclass(slots=True)
-class _Counters:
+class EngineCounters:
+    """The engine's own counters (calls, tokens); `statistics` hands out a copy."""
+
     store_calls: int = 0
     stored_chunks: int = 0
     stored_tokens: int = 0
@@ -146,7 +148,7 @@ class TieredKVEngine:
         self._mover_override = mover
         self._extra_tiers = tuple(lower_tiers)
         self._registrations: dict[str, Registration] = {}
-        self._counters = _Counters()
+        self._counters = EngineCounters()
         self._arena: HostArena | None = None
         self._storage: StorageManager | None = None
         self._prefetch: PrefetchController | None = None
@@ -694,34 +696,33 @@ class TieredKVEngine:
         return RetrieveResult(delivered, cached_end, stop_reason, policy, late, failed, waited)
 
     # -- introspection ----------------------------------------------------------------------
+    def statistics(self) -> metrics.EngineStats:
+        """Every component's typed statistics now (`metrics.EngineStats`); `stats()`, `metrics()`
+        and `metrics_text()` are views of it."""
+        storage, arena = self._storage, self._arena
+        return metrics.EngineStats(
+            engine=dataclasses.replace(self._counters),
+            l1=None if storage is None else storage.l1.stats(),
+            arena=None if arena is None or arena.closed else arena.stats(),
+            storage=None if storage is None else storage.stats(),
+            prefetch=None if self._prefetch is None else self._prefetch.stats(),
+            lower=() if storage is None else tuple((t.name, t.stats()) for t in storage.lower),
+            mover=None if self._mover is None else MoverStats.from_counters(self._mover.stats()),
+        )
+
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Nested counters: engine, l1, arena, storage, prefetch, tiers (one section per lower
-        tier, by lower-case name), l2 (when present), mover, and throughput (GB/s per path).
+        tier, by lower-case name: l2 for the disk tier), mover, and throughput (GB/s per path).
 
-        `metrics()` is the typed view of the same numbers, `metrics_text()` its Prometheus text.
+        The same numbers as `statistics()`, as plain dicts; `metrics()` is their typed view,
+        `metrics_text()` its Prometheus text.
         """
-        out: dict[str, dict[str, int | float]] = {
-            "engine": dict(dataclasses.asdict(self._counters)),
-        }
-        if self._storage is not None:
-            out["l1"] = dict(self._storage.l1.stats())
-            out["storage"] = self._storage.stats()
-            for tier in self._storage.lower:
-                out.setdefault(tier.name.lower(), dict(tier.stats()))
-        if self._prefetch is not None:
-            out["prefetch"] = self._prefetch.stats()
-        if self._arena is not None and not self._arena.closed:
-            arena = dataclasses.asdict(self._arena.stats())
-            out["arena"] = {k: int(v) for k, v in arena.items()}
-        if self._mover is not None:
-            out["mover"] = dict(self._mover.stats())
-        out["throughput"] = metrics.throughput_gbps(out)
-        return out
+        return metrics.stats_dict(self.statistics())
 
     def metrics(self) -> list[metrics.MetricFamily]:
         """Typed metric families (hits/misses per tier, bytes and GB/s per path, prefetch
         outcomes, queue depths, occupancy), built from `stats()`."""
-        return metrics.engine_metrics(self.stats())
+        return metrics.engine_metrics(self.statistics())
 
     def metrics_text(self) -> str:
         """`metrics()` in the Prometheus text exposition format (version 0.0.4)."""

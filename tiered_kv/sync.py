@@ -116,6 +116,7 @@ class SyncTieredKVEngine:
     flush = _blocking(TieredKVEngine.flush)
     evict_l1 = _blocking(TieredKVEngine.evict_l1)
     stats = _on_loop(TieredKVEngine.stats)
+    statistics = _on_loop(TieredKVEngine.statistics)
     metrics_text = _on_loop(TieredKVEngine.metrics_text)
 
     def prefetch(self, token_ids: TokenIds, *, model_name: str | None = None) -> SyncPrefetchHandle:

@@ -18,7 +18,7 @@ since the failed attempt began (by its own eviction or another put's). While the
 capacity is below ``capacity`` every write also measures the free space (in the write's own
 thread hop), so the effective capacity follows the filesystem back up when space is freed (and
 down, before the next ``ENOSPC``, when something else fills it); a put that would not fit even
-in an emptied tier measures once more before it is refused. ``stats()`` reports
+in an emptied tier measures once more before it is refused. ``stats()`` (`DiskStats`) reports
 ``effective_capacity`` and ``no_space_errors``.
 
 A removed directory: every write checks that ``root/.lock`` is still the file it holds the lock
@@ -84,7 +84,8 @@ from tiered_kv.errors import (
 )
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.snapshot import counter_fields
+from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -641,23 +642,42 @@ class _DirectoryLock:
             os.close(fd)  # closing the only descriptor drops the flock
 
 
-_COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "put_failures",
-    "put_refused",
-    "bytes_written",
-    "bytes_read",
-    "evictions",
-    "corrupt_removed",
-    "layout_mismatch",
-    "read_failures",
-    "no_space_errors",  # writes that failed with ENOSPC or EDQUOT
-    "no_space_retries",  # writes tried again after evicting for room
-    "directory_recreated",  # the directory or its lock file was removed and made again
-    "touches",
-    "touch_failures",
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DiskStats(TierStats):
+    """`DiskTier.stats()`: occupancy, the effective capacity on a full disk, and counters."""
+
+    bytes_reserved: int = 0  # by writes in flight
+    effective_capacity: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    put_refused: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    corrupt_removed: int = 0
+    layout_mismatch: int = 0
+    read_failures: int = 0
+    no_space_errors: int = 0  # writes that failed with ENOSPC or EDQUOT
+    no_space_retries: int = 0  # writes tried again after evicting for room
+    directory_recreated: int = 0  # the directory or its lock file was removed and made again
+    touches: int = 0
+    touch_failures: int = 0
+    write_seconds: float = 0.0  # sum of per-write latencies
+    read_seconds: float = 0.0
+
+
+# What the tier counts as events (the rest of DiskStats is measured when asked).
+_COUNTERS = counter_fields(
+    DiskStats,
+    measured=(
+        *TIER_OCCUPANCY,
+        "bytes_reserved",
+        "effective_capacity",
+        "write_seconds",
+        "read_seconds",
+    ),
 )
 
 
@@ -763,17 +783,17 @@ class DiskTier(LowerTier):
         """(key, num_tokens, file size) of every chunk, least recently used first."""
         return [(key, e.num_tokens, e.size) for key, e in self._index.items()]
 
-    def stats(self) -> dict[str, int | float]:
-        return {
-            "entries": len(self._index),
-            "bytes_used": self._bytes_used,
-            "bytes_reserved": self._reserved,
-            "capacity": self.capacity,
-            "effective_capacity": self._effective_capacity,
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            entries=len(self._index),
+            bytes_used=self._bytes_used,
+            capacity=self.capacity,
+            bytes_reserved=self._reserved,
+            effective_capacity=self._effective_capacity,
+            write_seconds=self._write_seconds,
+            read_seconds=self._read_seconds,
             **self._counters,
-            "write_seconds": self._write_seconds,
-            "read_seconds": self._read_seconds,
-        }
+        )
 
     def _stamp(self) -> int:
         """A file time for a chunk used now, later than every earlier one (ties would lose the

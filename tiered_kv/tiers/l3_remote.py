@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,8 @@ from tiered_kv.codec import (
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.snapshot import counter_fields
+from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink, RemoteConnector
 
 if TYPE_CHECKING:
@@ -47,21 +49,35 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KNOWN_KEYS = 1 << 20
 
-_COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "put_failures",
-    "exists_calls",
-    "exists_keys",
-    "exists_failures",
-    "read_failures",
-    "timeouts",
-    "layout_mismatch",
-    "corrupt",
-    "corrupt_removed",
-    "bytes_written",
-    "bytes_read",
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteStats(TierStats):
+    """`RemoteTier.stats()`. No occupancy: the store is shared, and only it knows; ``known_keys``
+    is what `contains` answers from. ``client``: the connector's own counters."""
+
+    known_keys: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    exists_calls: int = 0
+    exists_keys: int = 0
+    exists_failures: int = 0
+    read_failures: int = 0
+    timeouts: int = 0
+    layout_mismatch: int = 0
+    corrupt: int = 0
+    corrupt_removed: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0  # sum of per-request latencies
+    read_seconds: float = 0.0
+    client: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
+
+
+# What the tier counts as events (the rest of RemoteStats is measured when asked).
+_COUNTERS = counter_fields(
+    RemoteStats, measured=(*TIER_OCCUPANCY, "known_keys", "write_seconds", "read_seconds", "client")
 )
 
 
@@ -144,13 +160,14 @@ class RemoteTier(LowerTier):
                 exc_info=True,
             )
 
-    def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {"known_keys": len(self._known), **self._counters}
-        out["write_seconds"] = self._write_seconds
-        out["read_seconds"] = self._read_seconds
-        for name, value in self.connector.stats().items():
-            out[f"client_{name}"] = value
-        return out
+    def stats(self) -> RemoteStats:
+        return RemoteStats(
+            known_keys=len(self._known),
+            write_seconds=self._write_seconds,
+            read_seconds=self._read_seconds,
+            client=dict(self.connector.stats()),
+            **self._counters,
+        )
 
     # -- data -------------------------------------------------------------------------------
     async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
