@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -208,14 +208,14 @@ async def test_payload_is_page_aligned_in_the_file(
 async def test_sliced_reads_and_payload_first_writes_are_bit_exact(
     arena: HostArena,
     root: Path,
-    monkeypatch: pytest.MonkeyPatch,
     slice_bytes: int,
 ) -> None:
     """Read slices that split groups anywhere still verify the whole payload's checksum."""
-    monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", slice_bytes)
     offsets: list[tuple[int, int]] = []
 
     class RecordingWrites(FileOps):
+        read_slice_bytes = slice_bytes
+
         def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
             offsets.append((offset, len(data)))
             return super().pwrite(fd, data, offset)
@@ -669,10 +669,41 @@ async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Pa
         await tier.aclose()
 
 
+class FaultyFileOps(FileOps):
+    """The L2 I/O seam with faults: directory syncs and reads pass through ``on_fsync_directory``
+    and ``on_readinto`` (which may block, record or raise) before the real call."""
+
+    def __init__(self, *, read_slice_bytes: int | None = None) -> None:
+        if read_slice_bytes is not None:
+            self.read_slice_bytes = read_slice_bytes
+        self.on_fsync_directory: Callable[[Path], None] | None = None
+        self.on_readinto: Callable[[], None] | None = None
+
+    def fsync_directory(self, directory: Path) -> None:
+        if self.on_fsync_directory is not None:
+            self.on_fsync_directory(directory)
+        super().fsync_directory(directory)
+
+    def readinto(self, file: io.FileIO, buffer: memoryview) -> int:
+        count = super().readinto(file, buffer)
+        if self.on_readinto is not None:
+            self.on_readinto()
+        return count
+
+
+@pytest.fixture
+async def faulty_tier(root: Path) -> AsyncIterator[tuple[DiskTier, FaultyFileOps]]:
+    file_ops = FaultyFileOps(read_slice_bytes=64)  # several slices per group
+    tier = DiskTier(root, BIG, file_ops=file_ops)
+    await tier.open()
+    yield tier, file_ops
+    await tier.aclose()
+
+
 async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
 ) -> None:
-    real_fsync_dir = l2_disk._fsync_directory
+    tier, file_ops = faulty_tier
     started, release = threading.Event(), threading.Event()
     key = make_keys(1)[0]
 
@@ -680,9 +711,8 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
         if directory == path_of(root, key).parent:  # after the rename, not the new shard's
             started.set()
             release.wait(10)
-        real_fsync_dir(directory)
 
-    monkeypatch.setattr(l2_disk, "_fsync_directory", slow_fsync_dir)
+    file_ops.on_fsync_directory = slow_fsync_dir
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         task = asyncio.create_task(tier.put(key, source))
@@ -702,18 +732,17 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
 
 @pytest.mark.parametrize("failing", ["root", "shard"])
 async def test_failed_directory_fsync_unpublishes_the_file(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path, failing: str
 ) -> None:
+    tier, file_ops = faulty_tier
     key = make_keys(1)[0]
-    real_fsync_dir = l2_disk._fsync_directory
     failing_dir = {"root": root, "shard": path_of(root, key).parent}[failing]
 
     def failing_fsync_dir(directory: Path) -> None:
         if directory == failing_dir:
             raise OSError(errno.EIO, "Input/output error")
-        real_fsync_dir(directory)
 
-    monkeypatch.setattr(l2_disk, "_fsync_directory", failing_fsync_dir)
+    file_ops.on_fsync_directory = failing_fsync_dir
     obj = make_obj(arena)
     try:
         assert not await tier.put(key, obj)
@@ -727,16 +756,11 @@ async def test_failed_directory_fsync_unpublishes_the_file(
 
 
 async def test_a_new_shard_directory_is_made_durable_once(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
 ) -> None:
-    real_fsync_dir = l2_disk._fsync_directory
+    tier, file_ops = faulty_tier
     synced: list[Path] = []
-
-    def recording_fsync_dir(directory: Path) -> None:
-        synced.append(directory)
-        real_fsync_dir(directory)
-
-    monkeypatch.setattr(l2_disk, "_fsync_directory", recording_fsync_dir)
+    file_ops.on_fsync_directory = synced.append
     key = make_keys(1)[0]
     shard = path_of(root, key).parent
     obj = make_obj(arena)
@@ -752,26 +776,23 @@ async def test_a_new_shard_directory_is_made_durable_once(
 
 
 async def test_get_cancelled_mid_read_waits_for_the_thread(
-    tier: DiskTier, arena: HostArena, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena
 ) -> None:
-    real_readinto = l2_disk._readinto_exact
+    tier, file_ops = faulty_tier
     started, release = threading.Event(), threading.Event()
     calls = 0
 
-    def slow_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+    def slow_readinto() -> None:
         nonlocal calls
         calls += 1
-        done = real_readinto(file, buffer)
         started.set()
         release.wait(10)
-        return done
 
     key = make_keys(1)[0]
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         assert await tier.put(key, source)
-        monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", 64)  # several slices per group
-        monkeypatch.setattr(l2_disk, "_readinto_exact", slow_readinto)
+        file_ops.on_readinto = slow_readinto
         task = asyncio.create_task(tier.get_into(key, target))
         assert await asyncio.to_thread(started.wait, 10)
         task.cancel()
@@ -782,7 +803,7 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
             await task
         assert calls == 1  # stopped before the next slice
         assert tier.contains(key)  # a cancelled read is not corruption
-        monkeypatch.setattr(l2_disk, "_readinto_exact", real_readinto)
+        file_ops.on_readinto = None
         assert await tier.get_into(key, target)
         assert same_groups(source, target)
     finally:
@@ -791,16 +812,18 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
 
 
 async def test_read_error_is_a_miss_and_keeps_the_file(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
 ) -> None:
-    def failing_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+    tier, file_ops = faulty_tier
+
+    def failing_readinto() -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     key = make_keys(1)[0]
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         assert await tier.put(key, source)
-        monkeypatch.setattr(l2_disk, "_readinto_exact", failing_readinto)
+        file_ops.on_readinto = failing_readinto
         assert not await tier.get_into(key, target)
         assert tier.contains(key)
         assert path_of(root, key).exists()

@@ -203,9 +203,9 @@ async def test_full_disk_evicts_resumes_and_recovers(disk: Disk) -> None:
     print(
         f"\nfull disk ({disk.kind}, {DISK // MiB} MiB, {OTHER_FILES // MiB} MiB of other files, "
         f"capacity {CAPACITY // MiB} MiB): {PUTS_WHILE_FULL} puts, all stored; "
-        f"{full['no_space_errors']} no-space errors, {full['no_space_retries']} retries, "
-        f"{full['evictions']} evictions; effective capacity {full['effective_capacity'] / MiB:.2f}"
-        f" MiB, {freed['effective_capacity'] / MiB:.2f} MiB after the other files went "
-        f"({freed['no_space_errors']} no-space errors by then); {verified} reads verified, "
+        f"{full.no_space_errors} no-space errors, {full.no_space_retries} retries, "
+        f"{full.evictions} evictions; effective capacity {full.effective_capacity / MiB:.2f}"
+        f" MiB, {freed.effective_capacity / MiB:.2f} MiB after the other files went "
+        f"({freed.no_space_errors} no-space errors by then); {verified} reads verified, "
         f"no temp files; {time.perf_counter() - started:.1f} s"
     )

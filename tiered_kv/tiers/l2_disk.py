@@ -167,16 +167,33 @@ def _check_abort(abort: threading.Event) -> None:
 
 
 class FileOps:
-    """The system calls through which `DiskTier` writes chunk files: the seam for fault tests.
+    """The system calls through which `DiskTier` moves chunk files: the one seam for I/O faults.
 
-    Tests pass a subclass to `DiskTier` (``file_ops=``) to fail writes the way a full disk does
-    (see `tiered_kv.tiers.testing.FullDiskFileOps`). Called from executor threads, several at
-    once: implementations must be thread-safe.
+    Tests pass a subclass to `DiskTier` (``file_ops=``) to fail or slow writes, reads and
+    directory syncs the way a failing or full disk does (see
+    `tiered_kv.tiers.testing.FullDiskFileOps`). Called from executor threads, several at once:
+    implementations must be thread-safe.
     """
+
+    read_slice_bytes: int = _READ_SLICE_BYTES
+    """Reads move a payload in slices of this many bytes, each hashed right after it lands."""
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         """`os.pwrite`: may write fewer bytes than given, raises `OSError` (e.g. ``ENOSPC``)."""
         return os.pwrite(fd, data, offset)
+
+    def readinto(self, file: io.FileIO, buffer: memoryview) -> int:
+        """`io.FileIO.readinto`: may read fewer bytes than asked (0 at end of file), raises
+        `OSError` (e.g. ``EIO``)."""
+        return file.readinto(buffer) or 0
+
+    def fsync_directory(self, directory: Path) -> None:
+        """Make ``directory``'s entries durable (a new file's name, a rename)."""
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def free_bytes(self, directory: Path) -> int | None:
         """Bytes still free for us on ``directory``'s filesystem; None when that is unknown."""
@@ -222,11 +239,11 @@ def _read_exact(file: io.FileIO, size: int) -> bytes:
     return b"".join(parts)
 
 
-def _readinto_exact(file: io.FileIO, buffer: memoryview) -> bool:
+def _readinto_exact(file: io.FileIO, buffer: memoryview, file_ops: FileOps) -> bool:
     """Fill ``buffer`` from ``file``; False when the file ends first."""
     filled = 0
     while filled < len(buffer):
-        count = file.readinto(buffer[filled:])
+        count = file_ops.readinto(file, buffer[filled:])
         if not count:
             return False
         filled += count
@@ -244,14 +261,6 @@ def _read_header(file: io.FileIO, limits: CodecLimits) -> ChunkHeader:
     if header_len > len(head):
         head += _read_exact(file, header_len - len(head))
     return decode_header(head, limits)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -321,7 +330,7 @@ def _create_temp_file(job: _WriteJob) -> io.FileIO:
     job.directory.mkdir(exist_ok=True)
     if job.fsync:
         try:
-            _fsync_directory(job.directory.parent)
+            job.file_ops.fsync_directory(job.directory.parent)
         except BaseException:
             with contextlib.suppress(OSError):
                 job.directory.rmdir()  # so that the next put creates and fsyncs it again
@@ -363,7 +372,7 @@ def _write_chunk_file(job: _WriteJob) -> None:
     job.committed = True
     if job.fsync:
         try:
-            _fsync_directory(job.directory)
+            job.file_ops.fsync_directory(job.directory)
         except BaseException:
             # The rename may not survive a crash; do not report a chunk as stored.
             job.committed = False
@@ -407,6 +416,7 @@ def _read_chunk_file(
     limits: CodecLimits,
     abort: threading.Event,
     stamp_ns: int,
+    file_ops: FileOps,
 ) -> tuple[_ReadOutcome, str]:
     """Verify the header, read the payload straight into ``buffers``, verify the checksum."""
     _check_abort(abort)
@@ -427,9 +437,9 @@ def _read_chunk_file(
             return _OUTCOMES[check], detail
         state = xxhash.xxh3_64()
         for index, buffer in enumerate(buffers):
-            for piece in _slices(buffer, _READ_SLICE_BYTES):
+            for piece in _slices(buffer, file_ops.read_slice_bytes):
                 _check_abort(abort)
-                if not _readinto_exact(file, piece):
+                if not _readinto_exact(file, piece, file_ops):
                     return _ReadOutcome.CORRUPT, f"short read in group {index}"
                 state.update(piece)
         problem = check_payload_checksum(header, state.intdigest())
@@ -559,8 +569,9 @@ class _DirectoryLock:
     `ensure_held` runs in write threads, several at once; the other methods on the loop.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, file_ops: FileOps) -> None:
         self.path = root / LOCK_NAME
+        self._file_ops = file_ops
         self._fd: int | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the locked file
         self._mutex = threading.Lock()
@@ -624,7 +635,7 @@ class _DirectoryLock:
             if not root.is_dir():
                 root.mkdir(parents=True, exist_ok=True)
                 if fsync:
-                    _fsync_directory(root.parent)
+                    self._file_ops.fsync_directory(root.parent)
             try:
                 fd, identity = self._lock_new_file()
             except L2DirectoryInUseError:
@@ -709,7 +720,7 @@ class DiskTier(LowerTier):
         self.fsync = fsync
         self.limits = limits
         self.file_ops = file_ops
-        self._lock = _DirectoryLock(self.root)
+        self._lock = _DirectoryLock(self.root, file_ops)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
         self._bytes_used = 0
@@ -1035,6 +1046,7 @@ class DiskTier(LowerTier):
             self.limits,
             abort,
             self._stamp(),
+            self.file_ops,
         )
         started = time.perf_counter()
         try:

@@ -1,0 +1,171 @@
+"""The CUDA mover's planning on CPU layouts: copy widths, block rows, paths, DMA runs, staging
+fills, held references (no GPU, no NVRTC; the byte movement itself is tested on the GPU, the
+kernels' compilation in test_kernels.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.kvfactory import FORMATS, make_caches
+from tiered_kv.errors import TieredKVError
+from tiered_kv.gpu.base import ChunkTransfer
+from tiered_kv.gpu.mover import (
+    MAX_JOBS,
+    MoverOptions,
+    _hold,
+    _LayoutPlan,
+    _runs,
+    _slot_fills,
+    choose_path,
+    copy_width,
+    group_plan,
+)
+from tiered_kv.layout import KVCacheLayout, build_layout
+from tiered_kv.memory import HostArena
+
+
+# -- planning (CPU layouts; the byte movement itself is tested on the GPU) ---------------------
+def test_copy_width_is_the_widest_that_divides_everything() -> None:
+    assert copy_width(256, 4096, 256) == 16
+    assert copy_width(132, 132 * 16) == 4
+    assert copy_width(256, 8) == 8
+    assert copy_width(6) == 2
+    assert copy_width(9) == 1
+
+
+def _layout(
+    fmt: str, dtype: torch.dtype = torch.bfloat16, **kw: int
+) -> tuple[KVCacheLayout, object]:
+    caches = make_caches(fmt, dtype, **kw)
+    return build_layout(caches.entries, chunk_size=32, layout_hints=caches.hints), caches
+
+
+def _plan(layout: KVCacheLayout) -> _LayoutPlan:
+    groups = tuple(group_plan(group, torch.device("cpu")) for group in layout.groups)
+    return _LayoutPlan(layout, groups, "staging")
+
+
+def test_block_rows_widen_narrow_contiguous_rows_only() -> None:
+    """132-byte int8 rows copy at width 4; a whole block of them (16 x 132 = 2112 bytes) at 16."""
+    int8, _ = _layout("vllm_nhd", torch.int8, num_heads=1, head_size=132)
+    (plan,) = _plan(int8).groups
+    assert plan.width == 4
+    assert plan.block_rows is not None
+    assert plan.block_rows.width == 16
+    assert plan.block_rows.row_bytes == 16 * 132 == plan.block_rows.head_bytes
+    assert plan.block_rows.pos_stride == plan.block_stride  # one "row" per block
+    assert plan.block_rows.slab_bytes(2, 2) == plan.slab_bytes(2, 32)
+    # Rows not contiguous within a block (HND view): no block rows.
+    hnd, _ = _layout("vllm_hnd_view", torch.int8, num_heads=2, head_size=66)
+    assert _plan(hnd).groups[0].block_rows is None
+    # Already at width 16: nothing to gain.
+    wide, _ = _layout("vllm_nhd", num_heads=2, head_size=64)
+    assert _plan(wide).groups[0].block_rows is None
+
+
+def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:
+    small, _ = _layout("vllm_nhd")
+    assert choose_path(small) == "staging"  # 16 tokens x 32 bytes: runs far too short
+    medium, _ = _layout("vllm_nhd", num_heads=8, head_size=256, block_size=32, num_layers=1)
+    assert choose_path(medium) == "staging"  # 128 KiB runs: DMA measured slower than staging
+    big, _ = _layout(
+        "vllm_nhd", num_heads=8, head_size=256, block_size=1024, num_layers=1, num_blocks=3
+    )
+    assert choose_path(big) == "dma"  # 1024 x 4 KiB contiguous per block
+    hnd, _ = _layout("vllm_hnd_view", num_heads=8, head_size=256, block_size=32, num_layers=1)
+    assert choose_path(hnd) == "staging"
+    assert choose_path(hnd, "mapped") == "mapped"
+    with pytest.raises(ValueError, match="path"):
+        MoverOptions(path="fastest")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("skip", [0, 5, 16])
+def test_dma_runs_cover_exactly_the_rows(fmt: str, skip: int) -> None:
+    layout, _ = _layout(fmt, num_blocks=12)
+    plan = _plan(layout)
+    arena = HostArena(1 << 20, pin=False)
+    obj = arena.allocate_obj(layout.layout_desc, 27)  # partial chunk
+    assert obj is not None
+    block_ids = [7, 8, 3, 11, 0]  # 7, 8 consecutive: their runs may merge
+    transfer = ChunkTransfer(obj, token_start=32, skip_tokens=skip)
+    try:
+        for group in plan.groups:
+            runs = _runs(group, layout.block_size, block_ids, transfer, skip)
+            expected: dict[int, int] = {}  # host byte offset → paged byte offset, byte by byte
+            for t in range(skip, obj.num_tokens):
+                pos = 32 + t
+                paged_row = (
+                    block_ids[pos // 16] * group.block_stride + (pos % 16) * group.pos_stride
+                )
+                for h in range(group.num_heads):
+                    for b in range(group.head_bytes):
+                        host = t * group.row_bytes + h * group.head_bytes + b
+                        expected[host] = paged_row + h * group.head_stride + b
+            got: dict[int, int] = {}
+            for paged, host, nbytes in runs:
+                for b in range(nbytes):
+                    assert host + b not in got, "overlapping runs"
+                    got[host + b] = paged + b
+            assert got == expected
+            if group.head_stride == group.head_bytes and group.pos_stride == group.row_bytes:
+                # one run per block segment at most, fewer where blocks are adjacent
+                assert len(runs) <= math.ceil((obj.num_tokens - skip) / 16) + 1
+    finally:
+        obj.unref()
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("ramp_up", [True, False])
+@pytest.mark.parametrize("slot_kib", [2, 5, 64])
+def test_staging_fills_cover_every_layer_once_within_a_slot(slot_kib: int, ramp_up: bool) -> None:
+    layout, _ = _layout("vllm_nhd", num_layers=5)
+    plan = _plan(layout)
+    arena = HostArena(4 << 20, pin=False)
+    objs = [arena.allocate_obj(layout.layout_desc, n) for n in [32] * 40 + [7]]
+    transfers = [ChunkTransfer(o, 32 * i) for i, o in enumerate(objs) if o is not None]
+    slot = slot_kib * 1024
+    try:
+        seen: dict[int, list[int]] = {id(t): [] for t in transfers}
+        sizes = []
+        for group, fill in _slot_fills(plan, transfers, slot, ramp_up=ramp_up):
+            assert 1 <= len(fill) <= MAX_JOBS
+            sizes.append(sum(group.slab_bytes(l1 - l0, t.obj.num_tokens) for t, l0, l1 in fill))
+            assert sizes[-1] <= slot
+            for transfer, l0, l1 in fill:
+                seen[id(transfer)].extend(range(l0, l1))
+        assert all(layers == list(range(5)) for layers in seen.values())
+        with pytest.raises(ValueError, match="one layer"):
+            list(_slot_fills(plan, transfers, 1024, ramp_up=ramp_up))
+    finally:
+        for t in transfers:
+            t.obj.unref()
+        assert arena.close() == 0
+    if slot_kib == 64:  # layers (1 KiB) small enough for the ramps to show
+        ends = sizes[:3] if ramp_up else sizes[-3:]
+        assert max(ends) <= slot // 2, sizes
+        assert (ends[0] if ramp_up else ends[-1]) <= slot // 8, sizes
+        assert max(sizes) > slot // 2  # full-size fills in between
+
+
+def test_a_freed_object_in_a_call_leaves_no_reference_behind() -> None:
+    """The mover holds every object of a call; if one is already freed, the call fails before
+    touching anything and the references it had taken are given back."""
+    layout, _ = _layout("vllm_nhd")
+    arena = HostArena(1 << 20, pin=False)
+    objs = [arena.allocate_obj(layout.layout_desc, 32) for _ in range(3)]
+    live = [o for o in objs if o is not None]
+    assert len(live) == 3
+    transfers = [ChunkTransfer(o, 32 * i) for i, o in enumerate(live)]
+    live[1].unref()  # freed: its transfer is stale
+    with pytest.raises(TieredKVError, match="freed"):
+        _hold(transfers)
+    assert live[0].refcount == 1 and live[2].refcount == 1
+    held = _hold([transfers[0], transfers[2]])
+    assert [o.refcount for o in held] == [2, 2]
+    for obj in (*held, live[0], live[2]):
+        obj.unref()
+    assert arena.close() == 0
