@@ -16,7 +16,7 @@ import errno
 import os
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from tiered_kv.keys import ChunkKey
@@ -154,26 +154,28 @@ class FaultyTier(LowerTier):
         return await self.inner.contains_many(keys)
 
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        self._enter()
-        try:
-            if await self._inject(key, "put", self.put_failure_rate):
-                return False
-            return await self.inner.put(key, obj)
-        finally:
-            self.active -= 1
+        return await self._faulty("put", self.put_failure_rate, self.inner.put, key, obj)
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        self._enter()
-        try:
-            if await self._inject(key, "get", self.get_failure_rate):
-                return False
-            return await self.inner.get_into(key, obj)
-        finally:
-            self.active -= 1
+        return await self._faulty("get", self.get_failure_rate, self.inner.get_into, key, obj)
 
-    def _enter(self) -> None:
+    async def _faulty(
+        self,
+        op: str,
+        rate: float,
+        call: Callable[[ChunkKey, MemoryObj], Awaitable[bool]],
+        key: ChunkKey,
+        obj: MemoryObj,
+    ) -> bool:
+        """``call`` after the delay and gate, unless the seeded fault hits ``key``."""
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        try:
+            if await self._inject(key, op, rate):
+                return False
+            return await call(key, obj)
+        finally:
+            self.active -= 1
 
     async def touch(self, keys: Sequence[ChunkKey]) -> None:
         await self.inner.touch(keys)

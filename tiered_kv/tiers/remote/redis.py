@@ -114,15 +114,18 @@ class RedisConnector(RemoteConnector):
                 self._client = client
         return self._client
 
-    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    async def _per_key(self, command: str, keys: Sequence[ChunkKey]) -> list[bool]:
+        """``command`` (EXISTS, DEL) for each key in one pipeline; whether each answered > 0."""
         if not keys:
             return []
         client = await self._redis()
         pipe = client.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(self.name(key))
-        results = await pipe.execute()
-        return [bool(result) for result in results]
+            getattr(pipe, command)(self.name(key))
+        return [bool(result) for result in await pipe.execute()]
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return await self._per_key("exists", keys)
 
     async def put(self, key: ChunkKey, frame: Sequence[BytesLike], frame_len: int) -> None:
         value = bytearray(frame_len)
@@ -154,13 +157,7 @@ class RedisConnector(RemoteConnector):
         return FetchStatus.HIT
 
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not keys:
-            return []
-        client = await self._redis()
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.delete(self.name(key))
-        return [bool(result) for result in await pipe.execute()]
+        return await self._per_key("delete", keys)
 
     async def remote_stats(self) -> dict[str, int | float]:
         client = await self._redis()
