@@ -15,7 +15,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,dev,metrics]"
+	$(PY) -m pip install -q -e ".[test,dev,metrics,redis]"
 	touch $@
 
 demo: $(VENV)/.installed

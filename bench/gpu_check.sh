@@ -8,4 +8,4 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|matplotlib|numpy|cuda|accelerate|safetensors|tokenizers) " | tr '\n' ';'; echo
-python3 -m pytest -q -x -p no:cacheprovider tests/test_layerwise_gpu.py tests/test_cuda_mover.py tests/test_gpu_plan.py tests/test_layerwise.py "$@" 2>&1 | tail -25
+python3 -m pytest -q -x -p no:cacheprovider tests/test_layerwise_gpu.py tests/test_cuda_mover.py tests/test_gpu_planning.py tests/test_layerwise.py "$@" 2>&1 | tail -25

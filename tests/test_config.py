@@ -200,6 +200,24 @@ def test_l3_url_is_accepted(url: str) -> None:
     assert EngineConfig(l3_url=url).l3_url == url
 
 
+def test_l2_write_queue_is_the_old_name_of_lower_write_queue() -> None:
+    """One queue bound for every lower tier: lower_write_queue; l2_write_queue, its old name,
+    is still accepted (argument and environment), never both with different values."""
+    assert EngineConfig().lower_write_queue == 256
+    assert EngineConfig(lower_write_queue=9).lower_write_queue == 9
+    old = EngineConfig(l2_write_queue=7)
+    assert (old.lower_write_queue, old.l2_write_queue) == (7, None)
+    assert old == EngineConfig(lower_write_queue=7)
+    assert dataclasses.replace(old, lower_write_queue=5).lower_write_queue == 5
+    assert EngineConfig(l2_write_queue=7, lower_write_queue=7).lower_write_queue == 7
+    env = EngineConfig.from_env({"TIERED_KV_LOWER_WRITE_QUEUE": "11"})
+    assert env.lower_write_queue == 11
+    with pytest.raises(ConfigError, match=r"^l2_write_queue=7 and lower_write_queue=9: .*old name"):
+        EngineConfig(l2_write_queue=7, lower_write_queue=9)
+    with pytest.raises(ConfigError, match=r"^lower_write_queue: must be >= 1, got 0$"):
+        EngineConfig(lower_write_queue=0)
+
+
 @pytest.mark.parametrize(
     "url", ["", "memcached://h:1", "tkv://127.0.0.1", "tkv://:7000", "redis://h:notaport"]
 )
@@ -275,7 +293,7 @@ def test_from_env_reads_sizes_and_ints() -> None:
     assert config.l1_size == 8 * GiB
     assert config.l2_size == 1_500_000_000
     assert config.chunk_size == 64
-    assert config.l2_write_queue == 12
+    assert config.lower_write_queue == 12  # TIERED_KV_L2_WRITE_QUEUE: the old name
     assert config.close_timeout_s == 2.5
     assert config.namespace == "tenant-a"
     assert config.fingerprint == "v3"
@@ -375,7 +393,7 @@ def test_overrides_beat_env() -> None:
 
 def test_overrides_without_env_vars_apply() -> None:
     config = EngineConfig.from_env({}, l2_write_queue=3)
-    assert config.l2_write_queue == 3
+    assert config.lower_write_queue == 3
     assert config.l1_size == GiB
 
 

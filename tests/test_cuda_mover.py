@@ -329,11 +329,10 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
 
     caches = make_caches("vllm_nhd", torch.bfloat16, seed=4, device="cuda", num_blocks=8)
     config = EngineConfig(chunk_size=32, l1_size="8MiB")
-    async with TieredKVEngine(config) as engine:
+    device_mover = DeviceMover()  # the engine's default, built here to look inside
+    async with TieredKVEngine(config, mover=device_mover) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         # Registration prepared the CUDA mover: kernels loaded, slots and buffers allocated.
-        device_mover = engine._mover
-        assert isinstance(device_mover, DeviceMover)
         cuda = device_mover.cuda
         assert isinstance(cuda, CudaMover)
         state = next(iter(cuda._devices.values()))

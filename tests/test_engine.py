@@ -54,6 +54,24 @@ def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
         engine.lookup(TOKENS)
 
 
+def test_blocking_verbs_have_the_async_verbs_signatures() -> None:
+    """Each blocking verb is made from the async one: same parameters and docstring, so the two
+    facades cannot drift apart."""
+    import inspect
+
+    import tiered_kv.engine
+
+    verbs = ["register_kv_caches", "store", "lookup", "retrieve", "retrieve_detailed", "flush"]
+    for name in [*verbs, "evict_l1", "stats", "metrics_text"]:
+        blocking, original = getattr(SyncTieredKVEngine, name), getattr(TieredKVEngine, name)
+        assert inspect.signature(blocking) == inspect.signature(original), name
+        assert blocking.__doc__ == original.__doc__, name
+    # Moved to tiered_kv.sync; the old import path still works.
+    assert tiered_kv.engine.SyncTieredKVEngine is SyncTieredKVEngine
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        _ = tiered_kv.engine.nonexistent
+
+
 async def test_use_before_open_and_after_close_raise() -> None:
     engine = TieredKVEngine(_config())
     caches = make_caches("mla", torch.bfloat16)
@@ -141,7 +159,7 @@ async def test_close_timeout_drops_and_reports_pending_writes_without_leaking() 
         assert await engine.store(TOKENS, list(range(7))) == 100
     # Two writers were mid-put (cancelled), two chunks were still queued: all four dropped.
     assert engine.dropped_on_close == 4
-    assert engine._arena is not None and engine._arena.used == 0
+    assert engine.leaked_on_close == 0  # every host byte was given back
 
 
 async def test_cancelled_retrieve_releases_every_reference() -> None:
@@ -209,7 +227,7 @@ async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None
             stored += await engine.store(TOKENS[:end], src)
             await engine.flush()
         assert stored == 100
-        assert tier.stats()["entries"] == 4
+        assert tier.stats().entries == 4
         await engine.evict_l1()
         assert await engine.lookup(TOKENS) == 100
         reference = caches.snapshot()
@@ -228,28 +246,27 @@ async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None
 
 async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
-    tier = MemoryTier()
+    tier = MemoryTier()  # outlives the engines below, as a disk or remote store does
     src, dst = list(range(7)), list(range(8, 15))
-    async with TieredKVEngine(_config(l1_size="640KiB"), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with TieredKVEngine(_config(l1_size="1MiB"), lower_tiers=[tier]) as engine:
+        desc = engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         for end in (32, 64, 96, 100):
             await engine.store(TOKENS[:end], src)
             await engine.flush()
-        await engine.evict_l1()
-        assert engine._arena is not None
-        held = engine._arena.allocate(384 * 1024)  # someone else's 384 KiB: one chunk fits
-        assert held is not None
-        reference = caches.snapshot()
+    chunk = desc.nbytes(32)
+    reference = caches.snapshot()
+    # L1 holds one chunk: each batch is scattered and released before the next load, so all
+    # four arrive.
+    async with TieredKVEngine(_config(l1_size=chunk), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        # Only one chunk fits at a time, but each batch is scattered and released before the
-        # next load, so all four arrive.
         assert await engine.retrieve(TOKENS, dst) == 100
         expect_copy(caches, expected, reference, src, dst, range(100), 16)
         assert caches.bytes_equal(expected)
-        await engine.evict_l1()
-        held2 = engine._arena.allocate(256 * 1024)  # now less than a chunk is free
-        assert held2 is not None
+    # L1 holds less than a chunk: nothing can be delivered, and retrieve says so.
+    async with TieredKVEngine(_config(l1_size=chunk // 2), lower_tiers=[tier]) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         poison_blocks(caches, dst)
         expected = caches.snapshot()
         result = await engine.retrieve_detailed(TOKENS, dst)
@@ -257,8 +274,6 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         assert result.stop_reason == "no_space" and result.recompute_tokens == 100
         assert engine.stats()["storage"]["promotion_failures"] >= 1
         assert caches.bytes_equal(expected)  # nothing delivered, nothing written
-        engine._arena.free(held)
-        engine._arena.free(held2)
         await engine.evict_l1()
         assert engine.stats()["arena"]["used"] == 0
 

@@ -1,4 +1,5 @@
-"""NVRTC compilation and the cubin cache (CPU: NVRTC needs no GPU); planning is in test_gpu_plan."""
+"""NVRTC compilation and the cubin cache (CPU: NVRTC needs no GPU); the mover's planning is in
+test_gpu_planning.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import pytest
 
 from tiered_kv.errors import KernelCompileError
 from tiered_kv.gpu import kernels
-from tiered_kv.gpu.mover import (
-    MAX_JOBS,
-)
+from tiered_kv.gpu.plan import MAX_JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -61,13 +61,13 @@ def test_staged_object_is_invisible_until_commit() -> None:
     assert not tier.contains(key(1))
     assert tier.get(key(1)) is None
     assert len(tier) == 0
-    assert tier.stats()["bytes_used"] == 0
-    assert tier.stats()["misses"] == 1
+    assert tier.stats().bytes_used == 0
+    assert tier.stats().misses == 1
     assert tier.commit(key(1), obj) is True
     assert obj.refcount == 2  # the caller's and the tier's
     assert tier.contains(key(1))
     assert len(tier) == 1
-    assert tier.stats()["bytes_used"] == obj.nbytes
+    assert tier.stats().bytes_used == obj.nbytes
     obj.unref()
     assert obj.refcount == 1
     assert tier.arena.used == round_up(obj.nbytes)
@@ -83,7 +83,7 @@ def test_commit_of_existing_key_returns_false_and_takes_no_reference() -> None:
     assert second.refcount == 1
     assert first.refcount == 1
     assert len(tier) == 1
-    assert tier.stats()["bytes_used"] == first.nbytes
+    assert tier.stats().bytes_used == first.nbytes
     got = tier.get(key(1))
     assert got is first  # the first copy wins
     assert torch.all(got.raw() == 1)
@@ -104,7 +104,7 @@ def test_get_takes_a_reference_and_counts_hits() -> None:
     assert again is obj and obj.refcount == 3
     assert tier.get(key(2)) is None
     stats = tier.stats()
-    assert stats["hits"] == 2 and stats["misses"] == 1
+    assert stats.hits == 2 and stats.misses == 1
     obj.unref()
     obj.unref()
     assert obj.refcount == 1
@@ -121,7 +121,7 @@ def test_allocate_evicts_the_least_recently_used_entry() -> None:
     assert evicted[0][1] is objs[0]
     assert not tier.contains(key(0))
     assert all(tier.contains(key(i)) for i in (1, 2, 3))
-    assert tier.stats()["evictions"] == 1
+    assert tier.stats().evictions == 1
     assert new.offset == objs[0].offset  # reused the evicted bytes
     new.unref()
 
@@ -164,7 +164,7 @@ def test_allocate_evicts_as_many_entries_as_needed() -> None:
     assert [k for k, _ in evicted] == [key(0), key(2), key(1)]
     assert tier.contains(key(3))
     assert big.offset == 0
-    assert tier.stats()["evictions"] == 3
+    assert tier.stats().evictions == 3
     big.unref()
 
 
@@ -174,8 +174,8 @@ def test_referenced_entries_are_never_evicted() -> None:
     held = [tier.get(key(i)) for i in range(4)]
     assert tier.allocate(LAYOUT, 1) is None
     assert evicted == []
-    assert tier.stats()["allocation_failures"] == 1
-    assert tier.stats()["evictions"] == 0
+    assert tier.stats().allocation_failures == 1
+    assert tier.stats().evictions == 0
     assert len(tier) == 4
     for i, obj in enumerate(objs):
         assert torch.all(obj.raw() == 10 + i)
@@ -198,7 +198,7 @@ def test_staged_objects_are_not_evictable() -> None:
     staged = [tier.allocate(LAYOUT, 16) for _ in range(4)]
     assert all(s is not None for s in staged)
     assert tier.allocate(LAYOUT, 16) is None
-    assert tier.stats()["allocation_failures"] == 1
+    assert tier.stats().allocation_failures == 1
     assert evicted == []
     for obj in staged:
         assert obj is not None
@@ -210,7 +210,7 @@ def test_allocate_failure_when_request_exceeds_capacity() -> None:
     tier, evicted = make_tier(capacity=2 * KiB)
     store(tier, key(1))
     assert tier.allocate(BIG_LAYOUT, 64) is None  # 4 KiB never fits
-    assert tier.stats()["allocation_failures"] == 1
+    assert tier.stats().allocation_failures == 1
     # Every unreferenced entry was sacrificed trying; that is the documented contract.
     assert [k for k, _ in evicted] == [key(1)]
 
@@ -247,7 +247,7 @@ def test_on_evict_hook_may_keep_the_object_alive() -> None:
     assert new is None
     assert len(kept) == 1 and kept[0].refcount == 1
     assert not tier.contains(key(1))
-    assert tier.stats()["bytes_used"] == 0
+    assert tier.stats().bytes_used == 0
     assert torch.all(kept[0].raw() == 5)  # a write-back demotion can still read it
     kept[0].unref()
     assert tier.arena.used == 0
@@ -263,8 +263,8 @@ def test_evict_unreferenced() -> None:
     assert freed == 3 * KiB
     assert [k for k, _ in evicted] == [key(0), key(2), key(3)]
     assert len(tier) == 1 and tier.contains(key(1))
-    assert tier.stats()["bytes_used"] == objs[1].nbytes
-    assert tier.stats()["evictions"] == 3
+    assert tier.stats().bytes_used == objs[1].nbytes
+    assert tier.stats().evictions == 3
     assert tier.arena.used == round_up(objs[1].nbytes)
     reader.unref()
 
@@ -287,9 +287,9 @@ def test_remove_keeps_readers_alive() -> None:
     assert tier.remove(key(1)) is True
     assert tier.remove(key(1)) is False
     assert not tier.contains(key(1))
-    assert tier.stats()["bytes_used"] == 0
+    assert tier.stats().bytes_used == 0
     assert evicted == []  # remove is not an eviction
-    assert tier.stats()["evictions"] == 0
+    assert tier.stats().evictions == 0
     assert obj.refcount == 1
     assert torch.all(obj.raw() == 9)
     obj.unref()
@@ -304,8 +304,8 @@ def test_clear_drops_everything_without_the_hook() -> None:
     tier.clear()
     assert evicted == []
     assert len(tier) == 0
-    assert tier.stats()["bytes_used"] == 0
-    assert tier.stats()["evictions"] == 0
+    assert tier.stats().bytes_used == 0
+    assert tier.stats().evictions == 0
     assert objs[0].refcount == 0 and objs[1].refcount == 0
     assert tier.arena.used == round_up(objs[2].nbytes)
     assert torch.all(reader.raw() == 2)
@@ -317,7 +317,7 @@ def test_partial_chunks_account_their_logical_size() -> None:
     tier, _ = make_tier()
     obj = store(tier, key(1), num_tokens=3)
     assert obj.nbytes == 3 * 64
-    assert tier.stats()["bytes_used"] == 3 * 64
+    assert tier.stats().bytes_used == 3 * 64
     assert tier.arena.used == 256
 
 
@@ -369,7 +369,7 @@ class L1StateMachine(RuleBasedStateMachine):
         obj = self.tier.allocate(STATEFUL_LAYOUT, num_tokens)
         if obj is None:
             self.failures += 1
-            assert self.tier.stats()["allocation_failures"] == self.failures
+            assert self.tier.stats().allocation_failures == self.failures
             # Allocation only fails once every committed entry is referenced by someone else.
             assert all(o.refcount > 1 for o in self.present.values())
             assert self.arena.stats().largest_free < round_up(STATEFUL_LAYOUT.nbytes(num_tokens))
@@ -446,9 +446,9 @@ class L1StateMachine(RuleBasedStateMachine):
         for key_id in range(NUM_KEYS):
             assert self.tier.contains(key(key_id)) is (key(key_id) in self.present)
         stats = self.tier.stats()
-        assert len(self.tier) == stats["entries"] == len(self.present)
-        assert stats["bytes_used"] == sum(o.nbytes for o in self.present.values())
-        assert stats["evictions"] == self.evictions_seen
+        assert len(self.tier) == stats.entries == len(self.present)
+        assert stats.bytes_used == sum(o.nbytes for o in self.present.values())
+        assert stats.evictions == self.evictions_seen
 
     @invariant()
     def arena_accounting(self) -> None:
@@ -481,7 +481,7 @@ class L1StateMachine(RuleBasedStateMachine):
             self.held.pop().unref()
         self.tier.clear()
         assert len(self.tier) == 0
-        assert self.tier.stats()["bytes_used"] == 0
+        assert self.tier.stats().bytes_used == 0
         assert self.arena.used == 0
         assert self.arena.stats().largest_free == self.arena.capacity
         assert all(o.refcount == 0 for o in self.every_obj)

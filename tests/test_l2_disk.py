@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import io
 import logging
@@ -10,7 +11,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.tiers import l2_disk
-from tiered_kv.tiers.l2_disk import DiskTier, FileOps, chunk_specs, scan_directory
+from tiered_kv.tiers.l2_disk import DiskStats, DiskTier, FileOps, scan_directory
 from tiered_kv.tiers.testing import FullDiskFileOps
 
 CHUNK = 16
@@ -144,12 +145,12 @@ async def test_round_trip_is_bit_exact(
         assert same_groups(source, target)
         assert gaps_untouched(target)
         stats = tier.stats()
-        assert stats["entries"] == 1
-        assert stats["bytes_used"] == file_size(key, num_tokens)
-        assert stats["puts"] == stats["hits"] == 1
-        assert stats["bytes_written"] == file_size(key, num_tokens)
-        assert stats["bytes_read"] == LAYOUT.payload_nbytes(num_tokens)
-        assert stats["misses"] == stats["put_failures"] == 0
+        assert stats.entries == 1
+        assert stats.bytes_used == file_size(key, num_tokens)
+        assert stats.puts == stats.hits == 1
+        assert stats.bytes_written == file_size(key, num_tokens)
+        assert stats.bytes_read == LAYOUT.payload_nbytes(num_tokens)
+        assert stats.misses == stats.put_failures == 0
     finally:
         source.unref()
         target.unref()
@@ -180,7 +181,7 @@ async def test_file_is_a_codec_frame(tier: DiskTier, arena: HostArena, root: Pat
         header, payloads = decode_chunk(path_of(root, key).read_bytes())
         assert header.key_bytes == key.to_bytes()
         assert header.num_tokens == CHUNK
-        assert header.groups == chunk_specs(obj)
+        assert header.groups == obj.group_specs()
         assert header.groups[1] == GroupSpec("int8", (1, 1, CHUNK, 132))
         assert [bytes(p) for p in payloads] == [bytes(b) for b in obj.group_buffers()]
     finally:
@@ -207,14 +208,14 @@ async def test_payload_is_page_aligned_in_the_file(
 async def test_sliced_reads_and_payload_first_writes_are_bit_exact(
     arena: HostArena,
     root: Path,
-    monkeypatch: pytest.MonkeyPatch,
     slice_bytes: int,
 ) -> None:
     """Read slices that split groups anywhere still verify the whole payload's checksum."""
-    monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", slice_bytes)
     offsets: list[tuple[int, int]] = []
 
     class RecordingWrites(FileOps):
+        read_slice_bytes = slice_bytes
+
         def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
             offsets.append((offset, len(data)))
             return super().pwrite(fd, data, offset)
@@ -253,8 +254,8 @@ async def test_put_beyond_the_codec_limits_fails_without_a_file(
     try:
         assert not await tier.put(key, obj)
         assert files_under(root) == []
-        assert tier.stats()["put_failures"] == 1
-        assert tier.stats()["bytes_reserved"] == 0
+        assert tier.stats().put_failures == 1
+        assert tier.stats().bytes_reserved == 0
     finally:
         obj.unref()
         await tier.aclose()
@@ -270,7 +271,7 @@ async def test_put_of_a_present_key_does_not_rewrite(
         inode = path_of(root, key).stat().st_ino
         assert await tier.put(key, obj)
         assert path_of(root, key).stat().st_ino == inode
-        assert tier.stats()["puts"] == 1
+        assert tier.stats().puts == 1
     finally:
         obj.unref()
 
@@ -282,8 +283,8 @@ async def test_concurrent_puts_of_one_key_write_once(
     obj = make_obj(arena)
     try:
         assert await asyncio.gather(*(tier.put(key, obj) for _ in range(4))) == [True] * 4
-        assert tier.stats()["puts"] == 1
-        assert tier.stats()["bytes_used"] == file_size(key)
+        assert tier.stats().puts == 1
+        assert tier.stats().bytes_used == file_size(key)
         assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
     finally:
         obj.unref()
@@ -322,7 +323,7 @@ async def test_restart_reuses_the_directory(root: Path, arena: HostArena) -> Non
     try:
         assert all(second.contains(key) for key in keys)
         assert sorted(k.hex for k, _, _ in second.entries()) == sorted(k.hex for k in keys)
-        assert second.stats()["bytes_used"] == 3 * file_size(keys[0])
+        assert second.stats().bytes_used == 3 * file_size(keys[0])
         for key, obj in zip(keys, sources, strict=True):
             target.raw().fill_(POISON)
             assert await second.get_into(key, target)
@@ -352,7 +353,7 @@ async def test_restart_orders_lru_by_mtime(root: Path, arena: HostArena) -> None
     try:
         assert [k for k, _, _ in second.entries()] == [keys[0], keys[1]]
         assert not (path_of(root, keys[2])).exists()
-        assert second.stats()["evictions"] == 1
+        assert second.stats().evictions == 1
     finally:
         obj.unref()
         await second.aclose()
@@ -378,9 +379,9 @@ async def test_corrupt_file_is_a_miss_and_removed(
         assert not path.exists()
         assert not tier.contains(key)
         stats = tier.stats()
-        assert stats["corrupt_removed"] == 1
-        assert stats["misses"] == 1
-        assert stats["entries"] == stats["bytes_used"] == 0
+        assert stats.corrupt_removed == 1
+        assert stats.misses == 1
+        assert stats.entries == stats.bytes_used == 0
         # Stored again, it is served again.
         assert await tier.put(key, source)
         assert await tier.get_into(key, target)
@@ -400,7 +401,7 @@ async def test_truncated_file_is_removed_at_read(
         os.truncate(path_of(root, key), file_size(key) - 100)
         assert not await tier.get_into(key, target)
         assert not path_of(root, key).exists()
-        assert tier.stats()["corrupt_removed"] == 1
+        assert tier.stats().corrupt_removed == 1
     finally:
         source.unref()
         target.unref()
@@ -433,7 +434,7 @@ async def test_open_removes_torn_garbage_misnamed_and_temp_files(
     try:
         assert [k for k, _, _ in tier.entries()] == [good]
         assert files_under(root) == sorted(["README", f"{good.hex[:2]}/{good.hex}"])
-        assert tier.stats()["corrupt_removed"] == 3
+        assert tier.stats().corrupt_removed == 3
     finally:
         await tier.aclose()
 
@@ -446,12 +447,12 @@ async def test_file_replaced_with_another_layout_is_kept(
     try:
         assert await tier.put(key, source)
         # Same key, 5 tokens: a valid frame, but not what the index (or the reader) expects.
-        parts = encode_chunk(key.to_bytes(), 5, chunk_specs(small), small.group_buffers())
+        parts = encode_chunk(key.to_bytes(), 5, small.group_specs(), small.group_buffers())
         path_of(root, key).write_bytes(b"".join(parts))
         assert not await tier.get_into(key, target)
         assert path_of(root, key).exists()
-        assert tier.stats()["layout_mismatch"] == 1
-        assert tier.stats()["corrupt_removed"] == 0
+        assert tier.stats().layout_mismatch == 1
+        assert tier.stats().corrupt_removed == 0
     finally:
         for obj in (source, small, target):
             obj.unref()
@@ -468,8 +469,8 @@ async def test_file_deleted_behind_our_back_is_a_miss(
         assert tier.contains(key)  # the index is stale only towards a later miss
         assert not await tier.get_into(key, target)
         assert not tier.contains(key)
-        assert tier.stats()["bytes_used"] == 0
-        assert tier.stats()["misses"] == 1
+        assert tier.stats().bytes_used == 0
+        assert tier.stats().misses == 1
     finally:
         source.unref()
         target.unref()
@@ -486,7 +487,7 @@ async def test_layout_mismatch_is_a_miss_and_keeps_the_file(
         assert not await tier.get_into(key, other)
         assert tier.contains(key)
         assert path_of(root, key).exists()
-        assert tier.stats()["layout_mismatch"] == 1
+        assert tier.stats().layout_mismatch == 1
         assert bool((other.raw() == POISON).all())  # nothing was read into it
     finally:
         source.unref()
@@ -497,7 +498,7 @@ async def test_miss(tier: DiskTier, arena: HostArena) -> None:
     target = poisoned_obj(arena)
     try:
         assert not await tier.get_into(make_keys(1)[0], target)
-        assert tier.stats()["misses"] == 1
+        assert tier.stats().misses == 1
     finally:
         target.unref()
 
@@ -518,8 +519,8 @@ async def test_capacity_evicts_least_recently_used(root: Path, arena: HostArena)
         assert not tier.contains(keys[1])
         assert not path_of(root, keys[1]).exists()
         stats = tier.stats()
-        assert stats["evictions"] == 1
-        assert stats["bytes_used"] == 3 * size <= tier.capacity
+        assert stats.evictions == 1
+        assert stats.bytes_used == 3 * size <= tier.capacity
         assert len(files_under(root)) == 3
     finally:
         obj.unref()
@@ -534,7 +535,7 @@ async def test_chunk_larger_than_capacity_is_refused(root: Path, arena: HostAren
     obj = make_obj(arena)
     try:
         assert not await tier.put(key, obj)
-        assert tier.stats()["put_refused"] == 1
+        assert tier.stats().put_refused == 1
         assert files_under(root) == []
     finally:
         obj.unref()
@@ -550,7 +551,7 @@ async def test_remove(tier: DiskTier, arena: HostArena, root: Path) -> None:
         assert not tier.contains(key)
         assert not path_of(root, key).exists()
         assert not await tier.remove(key)
-        assert tier.stats()["bytes_used"] == 0
+        assert tier.stats().bytes_used == 0
     finally:
         obj.unref()
 
@@ -613,8 +614,8 @@ async def test_put_failure_leaves_nothing(
         assert files_under(root) == []
         assert not tier.contains(key)
         stats = tier.stats()
-        assert stats["put_failures"] == 1
-        assert stats["bytes_used"] == stats["bytes_reserved"] == 0
+        assert stats.put_failures == 1
+        assert stats.bytes_used == stats.bytes_reserved == 0
         failure = [r for r in caplog.records if r.exc_info]
         assert failure and failure[0].exc_info and failure[0].exc_info[0] is OSError
 
@@ -658,8 +659,8 @@ async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Pa
         assert file_ops.calls == 2  # stopped at the next step
         assert files_under(root) == []
         assert not tier.contains(key)
-        assert tier.stats()["bytes_reserved"] == 0
-        assert tier.stats()["put_failures"] == 0
+        assert tier.stats().bytes_reserved == 0
+        assert tier.stats().put_failures == 0
 
         file_ops.slow = False
         assert await tier.put(key, obj)
@@ -668,10 +669,41 @@ async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Pa
         await tier.aclose()
 
 
+class FaultyFileOps(FileOps):
+    """The L2 I/O seam with faults: directory syncs and reads pass through ``on_fsync_directory``
+    and ``on_readinto`` (which may block, record or raise) before the real call."""
+
+    def __init__(self, *, read_slice_bytes: int | None = None) -> None:
+        if read_slice_bytes is not None:
+            self.read_slice_bytes = read_slice_bytes
+        self.on_fsync_directory: Callable[[Path], None] | None = None
+        self.on_readinto: Callable[[], None] | None = None
+
+    def fsync_directory(self, directory: Path) -> None:
+        if self.on_fsync_directory is not None:
+            self.on_fsync_directory(directory)
+        super().fsync_directory(directory)
+
+    def readinto(self, file: io.FileIO, buffer: memoryview) -> int:
+        count = super().readinto(file, buffer)
+        if self.on_readinto is not None:
+            self.on_readinto()
+        return count
+
+
+@pytest.fixture
+async def faulty_tier(root: Path) -> AsyncIterator[tuple[DiskTier, FaultyFileOps]]:
+    file_ops = FaultyFileOps(read_slice_bytes=64)  # several slices per group
+    tier = DiskTier(root, BIG, file_ops=file_ops)
+    await tier.open()
+    yield tier, file_ops
+    await tier.aclose()
+
+
 async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
 ) -> None:
-    real_fsync_dir = l2_disk._fsync_directory
+    tier, file_ops = faulty_tier
     started, release = threading.Event(), threading.Event()
     key = make_keys(1)[0]
 
@@ -679,9 +711,8 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
         if directory == path_of(root, key).parent:  # after the rename, not the new shard's
             started.set()
             release.wait(10)
-        real_fsync_dir(directory)
 
-    monkeypatch.setattr(l2_disk, "_fsync_directory", slow_fsync_dir)
+    file_ops.on_fsync_directory = slow_fsync_dir
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         task = asyncio.create_task(tier.put(key, source))
@@ -701,24 +732,23 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
 
 @pytest.mark.parametrize("failing", ["root", "shard"])
 async def test_failed_directory_fsync_unpublishes_the_file(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path, failing: str
 ) -> None:
+    tier, file_ops = faulty_tier
     key = make_keys(1)[0]
-    real_fsync_dir = l2_disk._fsync_directory
     failing_dir = {"root": root, "shard": path_of(root, key).parent}[failing]
 
     def failing_fsync_dir(directory: Path) -> None:
         if directory == failing_dir:
             raise OSError(errno.EIO, "Input/output error")
-        real_fsync_dir(directory)
 
-    monkeypatch.setattr(l2_disk, "_fsync_directory", failing_fsync_dir)
+    file_ops.on_fsync_directory = failing_fsync_dir
     obj = make_obj(arena)
     try:
         assert not await tier.put(key, obj)
         assert files_under(root) == []
         assert not tier.contains(key)
-        assert tier.stats()["put_failures"] == 1
+        assert tier.stats().put_failures == 1
         # A shard directory whose entry may not be durable is not kept for the next put.
         assert path_of(root, key).parent.exists() == (failing == "shard")
     finally:
@@ -726,16 +756,11 @@ async def test_failed_directory_fsync_unpublishes_the_file(
 
 
 async def test_a_new_shard_directory_is_made_durable_once(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
 ) -> None:
-    real_fsync_dir = l2_disk._fsync_directory
+    tier, file_ops = faulty_tier
     synced: list[Path] = []
-
-    def recording_fsync_dir(directory: Path) -> None:
-        synced.append(directory)
-        real_fsync_dir(directory)
-
-    monkeypatch.setattr(l2_disk, "_fsync_directory", recording_fsync_dir)
+    file_ops.on_fsync_directory = synced.append
     key = make_keys(1)[0]
     shard = path_of(root, key).parent
     obj = make_obj(arena)
@@ -751,26 +776,23 @@ async def test_a_new_shard_directory_is_made_durable_once(
 
 
 async def test_get_cancelled_mid_read_waits_for_the_thread(
-    tier: DiskTier, arena: HostArena, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena
 ) -> None:
-    real_readinto = l2_disk._readinto_exact
+    tier, file_ops = faulty_tier
     started, release = threading.Event(), threading.Event()
     calls = 0
 
-    def slow_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+    def slow_readinto() -> None:
         nonlocal calls
         calls += 1
-        done = real_readinto(file, buffer)
         started.set()
         release.wait(10)
-        return done
 
     key = make_keys(1)[0]
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         assert await tier.put(key, source)
-        monkeypatch.setattr(l2_disk, "_READ_SLICE_BYTES", 64)  # several slices per group
-        monkeypatch.setattr(l2_disk, "_readinto_exact", slow_readinto)
+        file_ops.on_readinto = slow_readinto
         task = asyncio.create_task(tier.get_into(key, target))
         assert await asyncio.to_thread(started.wait, 10)
         task.cancel()
@@ -781,7 +803,7 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
             await task
         assert calls == 1  # stopped before the next slice
         assert tier.contains(key)  # a cancelled read is not corruption
-        monkeypatch.setattr(l2_disk, "_readinto_exact", real_readinto)
+        file_ops.on_readinto = None
         assert await tier.get_into(key, target)
         assert same_groups(source, target)
     finally:
@@ -790,20 +812,22 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
 
 
 async def test_read_error_is_a_miss_and_keeps_the_file(
-    tier: DiskTier, arena: HostArena, root: Path, monkeypatch: pytest.MonkeyPatch
+    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
 ) -> None:
-    def failing_readinto(file: io.FileIO, buffer: memoryview) -> bool:
+    tier, file_ops = faulty_tier
+
+    def failing_readinto() -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     key = make_keys(1)[0]
     source, target = make_obj(arena), poisoned_obj(arena)
     try:
         assert await tier.put(key, source)
-        monkeypatch.setattr(l2_disk, "_readinto_exact", failing_readinto)
+        file_ops.on_readinto = failing_readinto
         assert not await tier.get_into(key, target)
         assert tier.contains(key)
         assert path_of(root, key).exists()
-        assert tier.stats()["read_failures"] == 1
+        assert tier.stats().read_failures == 1
     finally:
         source.unref()
         target.unref()
@@ -850,12 +874,12 @@ async def test_full_disk_evicts_and_writes_resume(
         assert all(stored)
         assert disk.failures >= 1  # the disk really was full
         stats = tier.stats()
-        assert stats["no_space_errors"] >= 1
-        assert stats["put_failures"] == 0
-        assert stats["puts"] == 30
-        assert stats["evictions"] >= 20
-        assert stats["capacity"] == BIG
-        assert stats["bytes_used"] <= stats["effective_capacity"] <= 10 * size + size // 2
+        assert stats.no_space_errors >= 1
+        assert stats.put_failures == 0
+        assert stats.puts == 30
+        assert stats.evictions >= 20
+        assert stats.capacity == BIG
+        assert stats.bytes_used <= stats.effective_capacity <= 10 * size + size // 2
         assert [k for k, _, _ in tier.entries()] == keys[-len(tier.entries()) :]
         assert len(tier.entries()) >= 8
         assert temp_files(root) == []
@@ -877,18 +901,18 @@ async def test_effective_capacity_comes_back_when_space_frees(root: Path, arena:
     try:
         for key in keys[:20]:
             assert await tier.put(key, obj)
-        lowered = tier.stats()["effective_capacity"]
+        lowered = tier.stats().effective_capacity
         assert lowered <= 10 * size + size // 2
         disk.limit_bytes = 40 * size  # another program freed space
         for key in keys[20:]:
             assert await tier.put(key, obj)
         stats = tier.stats()
-        assert lowered < stats["effective_capacity"] <= 40 * size
-        assert stats["entries"] > 20
-        assert stats["put_failures"] == 0
+        assert lowered < stats.effective_capacity <= 40 * size
+        assert stats.entries > 20
+        assert stats.put_failures == 0
         disk.limit_bytes = 2 * BIG  # more than capacity: the full capacity is back
         assert await tier.put(make_keys(1, salt=7)[0], obj)
-        assert tier.stats()["effective_capacity"] == BIG
+        assert tier.stats().effective_capacity == BIG
     finally:
         obj.unref()
         await tier.aclose()
@@ -906,15 +930,15 @@ async def test_disk_full_of_other_files_refuses_without_writing_then_recovers(
     try:
         assert not await tier.put(keys[0], obj)  # tried, failed: nothing to evict
         assert disk.failures == 1
-        assert tier.stats()["effective_capacity"] < size
+        assert tier.stats().effective_capacity < size
         assert not await tier.put(keys[1], obj)  # measured, refused, not tried
         assert disk.failures == 1
         stats = tier.stats()
-        assert stats["put_failures"] == stats["put_refused"] == stats["no_space_errors"] == 1
+        assert stats.put_failures == stats.put_refused == stats.no_space_errors == 1
         assert temp_files(root) == []
         disk.limit_bytes = 5 * size  # the other files went away
         assert await tier.put(keys[2], obj)
-        assert tier.stats()["effective_capacity"] >= 4 * size
+        assert tier.stats().effective_capacity >= 4 * size
     finally:
         obj.unref()
         await tier.aclose()
@@ -932,8 +956,8 @@ async def test_removed_directory_is_recreated_with_its_lock(root: Path, arena: H
         assert files_under(root) == [f"{keys[1].hex[:2]}/{keys[1].hex}"]
         assert not tier.contains(keys[0])  # its file went with the directory
         stats = tier.stats()
-        assert stats["directory_recreated"] == 1
-        assert stats["bytes_used"] == file_size(keys[1])
+        assert stats.directory_recreated == 1
+        assert stats.bytes_used == file_size(keys[1])
         assert await tier.get_into(keys[1], target)
         assert same_groups(source, target)
         other = DiskTier(root, BIG)
@@ -959,7 +983,7 @@ async def test_removed_directory_taken_by_another_tier_is_left_to_it(
         await other.open()  # a new process takes the new directory
         assert not await tier.put(keys[1], obj)
         assert files_under(root) == []  # nothing written into the other tier's directory
-        assert tier.stats()["put_failures"] == 1
+        assert tier.stats().put_failures == 1
         assert not await tier.put(keys[1], obj)  # and it stays that way
         assert files_under(root) == []
         assert tier.entries() == []  # nothing there is ours to read, evict or remove
@@ -1050,7 +1074,7 @@ async def test_touch_skips_unknown_and_vanished_keys(root: Path, arena: HostAren
         await tier.touch([keys[2], keys[1], keys[0]])
         # Still indexed: the read that finds the file missing drops it.
         assert [k for k, _, _ in tier.entries()] == [keys[1], keys[0]]
-        assert tier.stats()["touch_failures"] == 0
+        assert tier.stats().touch_failures == 0
     finally:
         obj.unref()
         await tier.aclose()
@@ -1088,8 +1112,12 @@ async def test_scan_directory_reads_headers_without_lock_or_deletion(
     assert (root / "ff" / ".ffff.1.2.tmp").exists()
 
 
-async def test_stats_are_flat_numbers(tier: DiskTier) -> None:
+async def test_stats_are_a_frozen_snapshot_of_numbers(tier: DiskTier) -> None:
     stats = tier.stats()
+    assert isinstance(stats, DiskStats)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.hits = 1  # type: ignore[misc]
+    fields = {field.name: getattr(stats, field.name) for field in dataclasses.fields(stats)}
     expected = {
         "entries",
         "bytes_used",
@@ -1106,5 +1134,5 @@ async def test_stats_are_flat_numbers(tier: DiskTier) -> None:
         "write_seconds",
         "read_seconds",
     }
-    assert expected <= set(stats)
-    assert all(isinstance(value, int | float) for value in stats.values())
+    assert expected <= set(fields)
+    assert all(isinstance(value, int | float) for value in fields.values())

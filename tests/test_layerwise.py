@@ -263,3 +263,28 @@ async def test_a_store_with_a_missing_layer_or_aborted_or_open_at_close_stores_n
     assert engine.leaked_on_close == 0  # the open store was aborted at close
     with pytest.raises(EngineStateError):
         await left_open.commit()
+
+
+def test_the_blocking_facade_loads_and_stores_layerwise() -> None:
+    from tiered_kv import SyncTieredKVEngine
+
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_layers=2, num_blocks=16, seed=11)
+    tokens = _tokens(64)
+    src, dst = [0, 1, 2, 3], [8, 9, 10, 11]
+    with SyncTieredKVEngine(_config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        saver = engine.store_layerwise(tokens, src)
+        assert saver.new_tokens == 64
+        for layer in range(saver.num_layers):
+            saver.save_layer(layer)  # this thread is not the engine's loop thread
+        assert saver.commit() == 64
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        load = engine.retrieve_layerwise(tokens, dst)
+        assert load.result.valid_tokens == 64
+        load.wait_all()
+        load.wait()
+        assert load.done()
+        expect_copy(caches, expected, reference, src, dst, range(64), BLOCK)
+        assert caches.bytes_equal(expected)

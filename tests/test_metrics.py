@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -11,11 +12,13 @@ import torch
 from tests.kvfactory import make_caches
 from tiered_kv import EngineConfig, SyncTieredKVEngine, TieredKVEngine
 from tiered_kv.metrics import (
+    EngineStats,
     MetricFamily,
     Sample,
     engine_metrics,
     parse_prometheus,
     render_prometheus,
+    stats_dict,
     throughput_gbps,
 )
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
@@ -86,6 +89,7 @@ async def test_throughput_section_reports_gb_per_second_per_path(tmp_path: objec
     tier = FaultyTier(MemoryTier())
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
         await _exercised_engine(engine, tier)
+        snapshot = engine.statistics()
         stats = engine.stats()
     throughput = stats["throughput"]
     assert set(throughput) >= {
@@ -95,8 +99,8 @@ async def test_throughput_section_reports_gb_per_second_per_path(tmp_path: objec
         "l2_to_l1_gbps",
     }
     assert all(v > 0 and math.isfinite(v) for v in throughput.values())
-    assert throughput == throughput_gbps(stats)
-    families = {family.name: family for family in engine_metrics(stats)}
+    assert throughput == throughput_gbps(snapshot) == stats_dict(snapshot)["throughput"]
+    families = {family.name: family for family in engine_metrics(snapshot)}
     hits = families["tiered_kv_hits"]
     assert hits.kind == "counter" and hits.value(tier="l1") == 4
 
@@ -130,9 +134,14 @@ def test_prometheus_client_collector_exports_the_same_families() -> None:
         engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
         engine.store(TOKENS, SRC)
         registry = CollectorRegistry()
-        registry.register(PrometheusCollector(engine.stats))
+        registry.register(PrometheusCollector(engine.statistics))
         exported = parse_prometheus(generate_latest(registry).decode())
         ours = parse_prometheus(engine.metrics_text())
+        # The dict view is for reading; metrics come from the typed snapshot only.
+        wrong = CollectorRegistry()
+        wrong.register(PrometheusCollector(engine.stats))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"pass engine\.statistics"):
+            generate_latest(wrong)
     assert ours == exported
 
 
@@ -207,3 +216,31 @@ async def test_path_throughput_is_over_busy_time_not_summed_latencies() -> None:
         assert 2 * 0.05 <= busy < 0.75 * summed, (busy, summed)
         gbps = engine.stats()["throughput"][f"l1_to_{name}_gbps"]
         assert gbps == pytest.approx(storage[f"{name}_write_bytes"] / busy / 1e9)
+
+
+async def test_statistics_are_typed_snapshots_and_stats_is_their_dict_view() -> None:
+    """Each component hands out a frozen stats dataclass; engine.stats() is derived from them,
+    so a tier named like a counter ("misses") cannot confuse the derived numbers."""
+    tier = FaultyTier(MemoryTier(name="misses"))
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        await _exercised_engine(engine, tier)
+        snapshot = engine.statistics()
+        assert isinstance(snapshot, EngineStats)
+        assert stats_dict(snapshot) == engine.stats()
+        families = {family.name: family for family in engine.metrics()}
+    assert snapshot.storage is not None and snapshot.l1 is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snapshot.storage.misses = 5  # type: ignore[misc]
+    (traffic,) = snapshot.storage.tiers
+    assert traffic.name == "misses" and traffic.reads.hits == 4
+    assert traffic.writes is not None and traffic.writes.done == 4
+    assert snapshot.storage.misses == 0
+    assert dict(snapshot.lower)["misses"].entries == 4
+    # The tier's name never collides with the counter of the same name.
+    assert families["tiered_kv_misses"].value() == 0
+    assert families["tiered_kv_hits"].value(tier="misses") == 4
+    assert families["tiered_kv_writes"].value(tier="misses", result="done") == 4
+    assert families["tiered_kv_entries"].value(tier="misses") == 4
+    # A closed engine still answers, from the sections that remain.
+    closed = engine.statistics()
+    assert closed.storage is None and closed.engine.retrieve_calls == 2

@@ -203,28 +203,6 @@ async def test_prefetch_stops_under_l1_pressure_and_never_evicts_referenced_chun
     assert engine.leaked_on_close == 0
 
 
-async def test_prefetch_without_room_in_l1_stops_with_no_space() -> None:
-    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
-    tier = FaultyTier(MemoryTier())
-    config = _config(l1_size="640KiB", prefetch_l1_fraction=1.0)
-    async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        for end in (32, 64, 96, 100):
-            await engine.store(TOKENS[:end], SRC)
-            await engine.flush()
-        await engine.evict_l1()
-        assert engine._arena is not None
-        held = engine._arena.allocate(256 * 1024)  # someone else's bytes
-        assert held is not None
-        handle = await engine.prefetch(TOKENS)
-        assert handle.reserved_chunks() == 1
-        assert engine.stats()["prefetch"]["stopped_no_space"] == 1
-        assert await handle == 32
-        handle.cancel()
-        engine._arena.free(held)
-        await _settle(engine)
-
-
 async def test_each_registration_prefetches_with_its_own_layout() -> None:
     bf16 = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
     mla = make_caches("mla", torch.int8, num_blocks=16, seed=1)

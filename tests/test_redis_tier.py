@@ -132,8 +132,8 @@ async def test_redis_down_is_only_misses() -> None:
         await store_and_drop_l1(engine, caches, tokens)
         assert await engine.lookup(tokens) == 0
     stats = tier.stats()
-    assert stats["put_failures"] == 2
-    assert stats["exists_failures"] == 1
+    assert stats.put_failures == 2
+    assert stats.exists_failures == 1
 
 
 async def test_cluster_routes_keys_across_slots(

@@ -26,6 +26,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.keys import chunk_keys
 from tiered_kv.layout import build_layout
 from tiered_kv.memory import HostArena
+from tiered_kv.tiers.factory import lower_tiers, remote_tier
 from tiered_kv.tiers.l3_remote import RemoteTier, remote_tier_from_config
 from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
 from tiered_kv.tiers.remote.server import RemoteCacheServer, ServerOptions
@@ -107,8 +108,8 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
             assert await engine.store(second, src) == 64
             assert await engine.flush(timeout=10) == 0
             down = tier.stats()
-            assert down["exists_failures"] >= 1
-            assert down["put_failures"] >= 1
+            assert down.exists_failures >= 1
+            assert down.put_failures >= 1
             # Back (empty, as a restarted cache is): misses, then new stores land again.
             server = RemoteCacheServer(ServerOptions(port=port))
             await server.start()
@@ -119,7 +120,7 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
             assert await engine.flush(timeout=10) == 0
             assert await engine.evict_l1() > 0
             await retrieve_bit_exact(engine, caches, first, src)
-            assert tier.stats()["client_connects"] >= 2
+            assert tier.stats().client["connects"] >= 2
     finally:
         await server.aclose()
 
@@ -167,10 +168,10 @@ async def test_slow_server_times_out_without_stalling_the_engine() -> None:
             assert await engine.lookup(tokens) == 0
             assert time.perf_counter() - started < 1.0
         stats = tier.stats()
-        assert stats["timeouts"] >= 2
-        assert stats["put_failures"] == 3
-        assert stats["exists_failures"] == 1
-        assert stats["client_aborted_connections"] >= 1  # abandoned PUTs dropped their socket
+        assert stats.timeouts >= 2
+        assert stats.put_failures == 3
+        assert stats.exists_failures == 1
+        assert stats.client["aborted_connections"] >= 1  # abandoned PUTs dropped their socket
     finally:
         tick.cancel()
         server.close()
@@ -280,7 +281,7 @@ async def test_layerwise_keys_partial_chunks_and_corrupt_frames(
         assert await tier.get_into(layer_key, dst)
         assert torch.equal(dst.raw(), src.raw())
         assert not await tier.get_into(layer_key, wrong)  # other token count: a miss
-        assert tier.stats()["layout_mismatch"] == 1
+        assert tier.stats().layout_mismatch == 1
         frame = bytes(tkv_server._store.entries[layer_key.to_bytes()])
         header, _ = decode_chunk(frame)
         assert header.num_tokens == 8
@@ -289,8 +290,8 @@ async def test_layerwise_keys_partial_chunks_and_corrupt_frames(
         tkv_server._store.entries[layer_key.to_bytes()][-1] ^= 0xFF
         assert not await tier.get_into(layer_key, dst)
         stats = tier.stats()
-        assert stats["corrupt"] == 1
-        assert stats["corrupt_removed"] == 1
+        assert stats.corrupt == 1
+        assert stats.corrupt_removed == 1
         assert layer_key.to_bytes() not in tkv_server._store.entries
         assert not tier.contains(layer_key)
         for obj in (src, dst, wrong):
@@ -315,21 +316,51 @@ async def test_any_rank_frames_pass_through_unchanged(
 
 
 def test_tier_factory_by_scheme(tmp_path: Path) -> None:
-    tier = remote_tier_from_config(_config(l3_url="tkv://127.0.0.1:7474", l3_timeout_s=0.5))
+    tier = remote_tier(_config(l3_url="tkv://127.0.0.1:7474", l3_timeout_s=0.5))
     assert isinstance(tier, RemoteTier)
     assert tier.connector.description == "tkv://127.0.0.1:7474"
     for url in ("redis://h:1/0", "valkey://h:1", "rediss://:pw@h:1", "redis+cluster://h:1"):
-        tier = remote_tier_from_config(_config(l3_url=url))
+        tier = remote_tier(_config(l3_url=url))
         assert "pw" not in tier.connector.description
         assert type(tier.connector).__name__ == "RedisConnector"
+    cluster = remote_tier(_config(l3_url="valkeys+cluster://h:1")).connector
+    assert cluster.cluster is True and cluster._url == "rediss://h:1"
+    # The old entry point is the factory under its former name.
+    assert isinstance(remote_tier_from_config(_config(l3_url="tkv://h:1")), RemoteTier)
     token = tmp_path / "token"
     token.write_text("")
     with pytest.raises(ConfigError, match="empty"):
-        remote_tier_from_config(_config(l3_url="tkv://h:1", l3_token_file=str(token)))
+        remote_tier(_config(l3_url="tkv://h:1", l3_token_file=str(token)))
     with pytest.raises(ConfigError, match="unknown scheme"):
         _config(l3_url="memcached://h:1")
     with pytest.raises(ConfigError, match="needs a port"):
         _config(l3_url="tkv://h")
+
+
+def test_lower_tiers_come_from_the_config_top_first(tmp_path: Path) -> None:
+    from tiered_kv.tiers.l2_disk import DiskTier
+
+    assert lower_tiers(_config()) == []
+    tiers = lower_tiers(_config(l2_path=str(tmp_path), l2_size="1MiB", l3_url="tkv://h:1"))
+    assert [type(tier) for tier in tiers] == [DiskTier, RemoteTier]
+    assert [tier.name for tier in tiers] == ["L2", "L3"]
+    assert isinstance(tiers[0], DiskTier) and tiers[0].capacity == 1 << 20
+
+
+def test_redis_url_without_the_redis_package_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis is an optional extra: a redis:// URL without it is refused when configured, with
+    the pip line to fix it; tkv:// needs nothing extra."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "redis", None)  # import redis now fails
+    for url in ("redis://h:1/0", "valkeys+cluster://h:1"):
+        with pytest.raises(ConfigError, match=r"pip install 'tiered-kv\[redis\]'"):
+            _config(l3_url=url)
+    assert isinstance(remote_tier(_config(l3_url="tkv://h:1")), RemoteTier)
 
 
 async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """tiered_kv: keep an LLM serving engine's KV cache in host memory, on disk and remote."""
 
 from tiered_kv.config import EngineConfig
-from tiered_kv.engine import SyncTieredKVEngine, TieredKVEngine
+from tiered_kv.engine import TieredKVEngine
 from tiered_kv.errors import (
     CodecError,
     ConfigError,
@@ -12,6 +12,7 @@ from tiered_kv.errors import (
 )
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
+from tiered_kv.sync import SyncTieredKVEngine
 
 __all__ = [
     "CodecError",

@@ -28,6 +28,7 @@ byte is zero: decoders refuse anything else, so a frame has exactly one encoding
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,28 +63,30 @@ _UNPADDED_MIN_LEN = PREFIX_LEN + _U32.size + _U32.size + _U16.size + _U32.size +
 MIN_HEADER_LEN = PAYLOAD_ALIGN
 """No header is shorter: header lengths are positive multiples of `PAYLOAD_ALIGN`."""
 
-DTYPE_CODES: Mapping[str, int] = MappingProxyType(
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DTypeInfo:
+    """A KV dtype as frames store it: its code in the header and its size in bytes."""
+
+    code: int
+    itemsize: int
+
+
+DTYPES: Mapping[str, DTypeInfo] = MappingProxyType(
     {
-        "bfloat16": 1,
-        "float16": 2,
-        "float32": 3,
-        "float8_e4m3fn": 4,
-        "float8_e5m2": 5,
-        "int8": 6,
-        "uint8": 7,
+        "bfloat16": DTypeInfo(1, 2),
+        "float16": DTypeInfo(2, 2),
+        "float32": DTypeInfo(3, 4),
+        "float8_e4m3fn": DTypeInfo(4, 1),
+        "float8_e5m2": DTypeInfo(5, 1),
+        "int8": DTypeInfo(6, 1),
+        "uint8": DTypeInfo(7, 1),
     }
 )
-DTYPE_ITEMSIZES: Mapping[str, int] = MappingProxyType(
-    {
-        "bfloat16": 2,
-        "float16": 2,
-        "float32": 4,
-        "float8_e4m3fn": 1,
-        "float8_e5m2": 1,
-        "int8": 1,
-        "uint8": 1,
-    }
-)
+"""The one table of KV dtypes (names as torch spells them): a new dtype is one entry here;
+`tiered_kv.layout` accepts exactly these. Codes are never reused or 0."""
+DTYPE_CODES: Mapping[str, int] = MappingProxyType({n: d.code for n, d in DTYPES.items()})
+DTYPE_ITEMSIZES: Mapping[str, int] = MappingProxyType({n: d.itemsize for n, d in DTYPES.items()})
 _DTYPES_BY_CODE = {code: name for name, code in DTYPE_CODES.items()}
 
 BytesLike = bytes | bytearray | memoryview
@@ -418,6 +421,48 @@ def decode_header(data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> Chun
     return ChunkHeader(key_bytes, num_tokens, tuple(groups), payload_checksum, header_len)
 
 
+class FrameCheck(enum.Enum):
+    """What a reader makes of a frame it fetched for a key (see `check_frame_header`)."""
+
+    OK = "ok"
+    OTHER_KEY = "the frame holds another key"
+    OTHER_LAYOUT = "the frame holds another layout or token count"
+    CORRUPT = "corrupt"
+
+
+def check_frame_header(
+    header: ChunkHeader,
+    *,
+    key_bytes: bytes,
+    num_tokens: int,
+    groups: Sequence[GroupSpec],
+    frame_len: int,
+) -> tuple[FrameCheck, str]:
+    """Whether a decoded header is the frame a reader asked for, before any payload byte is
+    trusted: its length (``frame_len``, the bytes stored) first, then the key, then the layout.
+    Returns the verdict and a message for logs ("" when OK). Shared by L2 and L3."""
+    if frame_len != header.total_len:
+        return FrameCheck.CORRUPT, f"frame is {frame_len} bytes, header says {header.total_len}"
+    if header.key_bytes != key_bytes:
+        return FrameCheck.OTHER_KEY, FrameCheck.OTHER_KEY.value
+    if header.num_tokens != num_tokens or header.groups != tuple(groups):
+        return FrameCheck.OTHER_LAYOUT, (
+            f"frame has {header.num_tokens} tokens {header.groups}, wanted {num_tokens} tokens "
+            f"{tuple(groups)}"
+        )
+    return FrameCheck.OK, ""
+
+
+def check_payload_checksum(header: ChunkHeader, computed: int) -> str | None:
+    """None when the payload hashed to ``computed`` is the one the header vouches for; else
+    what is wrong (the frame is corrupt)."""
+    if computed == header.payload_checksum:
+        return None
+    return (
+        f"payload checksum mismatch: header {header.payload_checksum:#018x}, data {computed:#018x}"
+    )
+
+
 def payload_checksum(buffers: Iterable[BytesLike]) -> int:
     """xxh3-64 over the buffers' bytes in order, streamed (nothing is concatenated)."""
     state = xxhash.xxh3_64()
@@ -463,10 +508,7 @@ def decode_chunk(
         view[start + offset : start + offset + group.nbytes]
         for offset, group in zip(header.group_offsets, header.groups, strict=True)
     ]
-    computed = payload_checksum(payloads)
-    if computed != header.payload_checksum:
-        raise CodecError(
-            f"payload checksum mismatch: header says {header.payload_checksum:#018x}, "
-            f"payload hashes to {computed:#018x}"
-        )
+    mismatch = check_payload_checksum(header, payload_checksum(payloads))
+    if mismatch is not None:
+        raise CodecError(mismatch)
     return header, payloads

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import importlib.util
 import os
 import re
 import urllib.parse
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from tiered_kv.errors import ConfigError
@@ -35,6 +37,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 _INT_FIELDS = (
     "chunk_size",
+    "lower_write_queue",
     "l2_write_queue",
     "prefetch_concurrency",
     "prefetch_max_pending",
@@ -47,6 +50,7 @@ _FLOAT_FIELDS = (
     "prefetch_timeout_per_1k_tokens_s",
     "prefetch_l1_fraction",
 )
+_DEFAULT_WRITE_QUEUE = 256
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -89,7 +93,8 @@ class EngineConfig:
     l2_size: capacity of the disk tier in bytes (LRU beyond it).
     l3_url: remote tier URL; None disables it. ``tkv://host:port`` (``tiered-kv serve``),
         ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, or a Cluster form
-        (``redis+cluster://host:port``, ``valkey+cluster://...``).
+        (``redis+cluster://host:port``, ``valkey+cluster://...``); see `L3_SCHEMES`. Redis and
+        Valkey need the ``redis`` extra (``pip install 'tiered-kv[redis]'``).
     l3_timeout_s: bound on every remote request; beyond it the request is a miss / skipped store.
     l3_token_file: file holding the shared token of a ``tkv://`` server (for Redis: the password
         when the URL has none).
@@ -98,9 +103,16 @@ class EngineConfig:
     l3_pool_size: connections per remote store.
     namespace: tenant / cache salt; two namespaces never share a chunk.
     fingerprint: model weights / version tag; part of every key.
-    l2_write_queue: chunks that may wait for their background L2 write; beyond it a store
-        skips the L2 copy and counts it (the serving path never blocks on disk).
-    close_timeout_s: how long ``aclose()`` waits for pending L2 writes before dropping them.
+    lower_write_queue: chunks that may wait for their background write, per lower tier (L2,
+        L3, custom tiers: each has a queue this long); beyond it the write is dropped and
+        counted (write_through, selective) or the L1 eviction refused (write_back), so the
+        serving path never blocks on a lower tier.
+    l2_write_queue: the old name of ``lower_write_queue`` (also as
+        ``TIERED_KV_L2_WRITE_QUEUE``), still accepted as input; giving both names with different
+        values (lower_write_queue other than its default) is an error. It reads as None once
+        the config is built.
+    close_timeout_s: how long ``aclose()`` lets calls in flight finish and waits for pending
+        lower-tier writes (L2, L3, custom tiers) before cancelling and dropping them.
     pin_memory: pin the arena; None means "when CUDA is available".
     l2_fsync: fsync each L2 file and its directory before it becomes visible (crash safety).
     prefetch: lookup starts loading the L2/L3 part of the hit prefix into L1 (a prefetch).
@@ -133,7 +145,8 @@ class EngineConfig:
     l3_pool_size: int = 4
     namespace: str = ""
     fingerprint: str = ""
-    l2_write_queue: int = 256
+    lower_write_queue: int = _DEFAULT_WRITE_QUEUE
+    l2_write_queue: int | None = None
     close_timeout_s: float = 30.0
     pin_memory: bool | None = None
     l2_fsync: bool = True
@@ -161,18 +174,36 @@ class EngineConfig:
         if self.l2_path is not None:
             object.__setattr__(self, "l2_path", os.fspath(self.l2_path))
         if self.l3_url is not None:
-            _check_l3_url(self.l3_url)
+            parse_l3_url(self.l3_url)
         self._check_l3_options()
         for name in ("namespace", "fingerprint"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}: expected str, got {getattr(self, name)!r}")
-        if isinstance(self.l2_write_queue, bool) or not isinstance(self.l2_write_queue, int):
-            raise ConfigError(f"l2_write_queue: expected int, got {self.l2_write_queue!r}")
-        if self.l2_write_queue < 1:
-            raise ConfigError(f"l2_write_queue: must be >= 1, got {self.l2_write_queue}")
+        self._resolve_write_queue()
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s: must be >= 0, got {self.close_timeout_s}")
         self._validate_policies()
+
+    def _resolve_write_queue(self) -> None:
+        names = ["lower_write_queue"]
+        if self.l2_write_queue is not None:
+            names.append("l2_write_queue")
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name}: expected int, got {value!r}")
+            if value < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {value}")
+        if self.l2_write_queue is None:
+            return
+        if self.lower_write_queue not in (_DEFAULT_WRITE_QUEUE, self.l2_write_queue):
+            raise ConfigError(
+                f"l2_write_queue={self.l2_write_queue} and lower_write_queue="
+                f"{self.lower_write_queue}: l2_write_queue is the old name of lower_write_queue; "
+                "give only lower_write_queue"
+            )
+        object.__setattr__(self, "lower_write_queue", self.l2_write_queue)
+        object.__setattr__(self, "l2_write_queue", None)
 
     def _validate_policies(self) -> None:
         if self.prefetch_policy not in PREFETCH_POLICIES:
@@ -270,21 +301,50 @@ class EngineConfig:
         return cls(**values)
 
 
-L3_SCHEMES = (
-    "tkv",
-    "redis",
-    "rediss",
-    "valkey",
-    "valkeys",
-    "redis+cluster",
-    "rediss+cluster",
-    "valkey+cluster",
-    "valkeys+cluster",
+@dataclasses.dataclass(frozen=True, slots=True)
+class L3Scheme:
+    """What an ``l3_url`` scheme stands for: which store (``"tkv"``: the built-in server,
+    ``"redis"``: Redis or Valkey), over TLS or not, one node or a Cluster."""
+
+    store: str
+    tls: bool = False
+    cluster: bool = False
+
+
+L3_SCHEMES: Mapping[str, L3Scheme] = MappingProxyType(
+    {
+        "tkv": L3Scheme("tkv"),
+        "redis": L3Scheme("redis"),
+        "rediss": L3Scheme("redis", tls=True),
+        "valkey": L3Scheme("redis"),
+        "valkeys": L3Scheme("redis", tls=True),
+        "redis+cluster": L3Scheme("redis", cluster=True),
+        "rediss+cluster": L3Scheme("redis", tls=True, cluster=True),
+        "valkey+cluster": L3Scheme("redis", cluster=True),
+        "valkeys+cluster": L3Scheme("redis", tls=True, cluster=True),
+    }
 )
+"""The one table of L3 URL schemes; `tiered_kv.tiers.factory` maps each store to its connector."""
+
+# The Python package each store needs beyond the core dependencies, and the extra that brings it.
+_STORE_PACKAGES = {"redis": ("redis", "redis")}
 
 
-def _check_l3_url(url: object) -> None:
-    """A URL of a scheme in `L3_SCHEMES` with a host (and, for ``tkv://``, a port)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class L3Url:
+    """An ``l3_url`` taken apart (by `parse_l3_url`, the only place that checks one)."""
+
+    url: str
+    scheme_name: str
+    scheme: L3Scheme
+    host: str
+    port: int | None
+
+
+def parse_l3_url(url: object) -> L3Url:
+    """A URL of a scheme in `L3_SCHEMES` with a host (and, for ``tkv://``, a port); a
+    `ConfigError` naming the problem otherwise, or naming the extra to install when the store's
+    client library is missing (``pip install 'tiered-kv[redis]'``)."""
     if not isinstance(url, str):
         raise ConfigError(f"l3_url: expected str or None, got {url!r}")
     parts = urllib.parse.urlsplit(url)
@@ -292,15 +352,23 @@ def _check_l3_url(url: object) -> None:
         port = parts.port
     except ValueError:
         raise ConfigError(f"l3_url: bad port in {url!r}") from None
-    if parts.scheme not in L3_SCHEMES:
+    scheme = L3_SCHEMES.get(parts.scheme)
+    if scheme is None:
         raise ConfigError(
             f"l3_url: unknown scheme in {url!r}; use one of {', '.join(L3_SCHEMES)} "
             "(e.g. tkv://127.0.0.1:7474 or redis://localhost:6379/0)"
         )
     if not parts.hostname:
         raise ConfigError(f"l3_url: no host in {url!r}")
-    if parts.scheme == "tkv" and port is None:
+    if scheme.store == "tkv" and port is None:
         raise ConfigError(f"l3_url: tkv:// needs a port, e.g. tkv://127.0.0.1:7474; got {url!r}")
+    needed = _STORE_PACKAGES.get(scheme.store)
+    if needed is not None and importlib.util.find_spec(needed[0]) is None:
+        raise ConfigError(
+            f"l3_url: {parts.scheme}:// needs the {needed[0]!r} package, which is not installed; "
+            f"install the extra: pip install 'tiered-kv[{needed[1]}]'"
+        )
+    return L3Url(url, parts.scheme, scheme, parts.hostname, port)
 
 
 def _l3_from_env_string(name: str, raw: str) -> Any:

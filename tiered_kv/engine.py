@@ -1,4 +1,4 @@
-"""`TieredKVEngine`, the facade serving stacks call, and `SyncTieredKVEngine`, its blocking twin.
+"""`TieredKVEngine`, the facade serving stacks call (its blocking twin is in `tiered_kv.sync`).
 
 Owns: registrations of KV caches (model, world size, worker → layout + key scope), the request
 verbs (store / lookup / prefetch / retrieve), the prefetch policies of retrieve, argument
@@ -15,16 +15,15 @@ import dataclasses
 import functools
 import logging
 import operator
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
-from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover
+from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
 from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.keys import ChunkKey, KeyScope, TokenIds, chunk_keys
 from tiered_kv.layerwise_store import LayerwiseStore
@@ -34,6 +33,7 @@ from tiered_kv.prefetch import PrefetchController, PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest
 from tiered_kv.retrieval import RetrieveResult as RetrieveResult  # re-exported: public here too
 from tiered_kv.storage import StorageManager
+from tiered_kv.tiers import factory as tier_factory
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
 
@@ -52,7 +52,9 @@ class Registration:
 
 
 @dataclasses.dataclass(slots=True)
-class _Counters:
+class EngineCounters:
+    """The engine's own counters (calls, tokens); `statistics` hands out a copy."""
+
     store_calls: int = 0
     stored_chunks: int = 0
     stored_tokens: int = 0
@@ -120,7 +122,7 @@ class TieredKVEngine:
         self._mover_override = mover
         self._extra_tiers = tuple(lower_tiers)
         self._registrations: dict[str, Registration] = {}
-        self._counters = _Counters()
+        self._counters = EngineCounters()
         self._arena: HostArena | None = None
         self._storage: StorageManager | None = None
         self._prefetch: PrefetchController | None = None
@@ -129,7 +131,6 @@ class TieredKVEngine:
         self._mover: KVMover | None = None
         self._retriever: Retriever | None = None
         self._layerwise_stores: set[LayerwiseStore] = set()  # begun, not yet committed/aborted
-        self._l2: LowerTier | None = None
         self._closed = False
         # Tasks inside a public verb (with nesting depth): aclose lets them finish first.
         self._calls: dict[asyncio.Task[Any], int] = {}
@@ -144,23 +145,11 @@ class TieredKVEngine:
             return self
         self._arena = HostArena(self.config.l1_bytes, pin=self.config.pin_memory)
         l1 = L1Tier(self._arena)
-        lower: list[LowerTier] = []
-        if self.config.l2_path is not None:
-            from tiered_kv.tiers.l2_disk import DiskTier
-
-            self._l2 = DiskTier(
-                self.config.l2_path, self.config.l2_bytes, fsync=self.config.l2_fsync
-            )
-            lower.append(self._l2)
-        if self.config.l3_url is not None:
-            from tiered_kv.tiers.l3_remote import remote_tier_from_config
-
-            lower.append(remote_tier_from_config(self.config))
-        lower.extend(self._extra_tiers)
+        lower = [*tier_factory.lower_tiers(self.config), *self._extra_tiers]
         storage = StorageManager(
             l1,
             lower,
-            write_queue=self.config.l2_write_queue,
+            write_queue=self.config.lower_write_queue,
             write_policies={tier.name: self.config.write_policy_for(tier.name) for tier in lower},
             selective_min_hits=self.config.selective_min_hits,
         )
@@ -695,36 +684,33 @@ class TieredKVEngine:
         return staged
 
     # -- introspection ----------------------------------------------------------------------
+    def statistics(self) -> metrics.EngineStats:
+        """Every component's typed statistics now (`metrics.EngineStats`); `stats()`, `metrics()`
+        and `metrics_text()` are views of it."""
+        storage, arena = self._storage, self._arena
+        return metrics.EngineStats(
+            engine=dataclasses.replace(self._counters),
+            l1=None if storage is None else storage.l1.stats(),
+            arena=None if arena is None or arena.closed else arena.stats(),
+            storage=None if storage is None else storage.stats(),
+            prefetch=None if self._prefetch is None else self._prefetch.stats(),
+            lower=() if storage is None else tuple((t.name, t.stats()) for t in storage.lower),
+            mover=None if self._mover is None else MoverStats.from_counters(self._mover.stats()),
+        )
+
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Nested counters: engine, l1, arena, storage, prefetch, tiers (one section per lower
-        tier, by lower-case name), l2 (when present), mover, and throughput (GB/s per path).
+        tier, by lower-case name: l2 for the disk tier), mover, and throughput (GB/s per path).
 
-        `metrics()` is the typed view of the same numbers, `metrics_text()` its Prometheus text.
+        The same numbers as `statistics()`, as plain dicts; `metrics()` is their typed view,
+        `metrics_text()` its Prometheus text.
         """
-        out: dict[str, dict[str, int | float]] = {
-            "engine": dict(dataclasses.asdict(self._counters)),
-        }
-        if self._storage is not None:
-            out["l1"] = dict(self._storage.l1.stats())
-            out["storage"] = self._storage.stats()
-            for tier in self._storage.lower:
-                out.setdefault(tier.name.lower(), dict(tier.stats()))
-        if self._prefetch is not None:
-            out["prefetch"] = self._prefetch.stats()
-        if self._arena is not None and not self._arena.closed:
-            arena = dataclasses.asdict(self._arena.stats())
-            out["arena"] = {k: int(v) for k, v in arena.items()}
-        if self._l2 is not None:
-            out["l2"] = dict(self._l2.stats())
-        if self._mover is not None:
-            out["mover"] = dict(self._mover.stats())
-        out["throughput"] = metrics.throughput_gbps(out)
-        return out
+        return metrics.stats_dict(self.statistics())
 
     def metrics(self) -> list[metrics.MetricFamily]:
         """Typed metric families (hits/misses per tier, bytes and GB/s per path, prefetch
         outcomes, queue depths, occupancy), built from `stats()`."""
-        return metrics.engine_metrics(self.stats())
+        return metrics.engine_metrics(self.statistics())
 
     def metrics_text(self) -> str:
         """`metrics()` in the Prometheus text exposition format (version 0.0.4)."""
@@ -782,206 +768,18 @@ def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:
     return token_ids[: count - count % multiple]
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed, else the stdlib loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+# Moved to `tiered_kv.sync`; still importable from here (the CLI and benches do).
+if TYPE_CHECKING:
+    from tiered_kv.sync import SyncPrefetchHandle as SyncPrefetchHandle
+    from tiered_kv.sync import SyncTieredKVEngine as SyncTieredKVEngine
+    from tiered_kv.sync import new_event_loop as new_event_loop
+
+_MOVED_TO_SYNC = ("SyncTieredKVEngine", "SyncPrefetchHandle", "new_event_loop")
 
 
-class SyncTieredKVEngine:
-    """Blocking facade: the engine's loop (uvloop when present) runs in its own thread.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_SYNC:
+        from tiered_kv import sync  # sync imports this module: import it lazily
 
-    Same verbs as `TieredKVEngine`, for callers without an event loop. Thread-safe: calls from
-    several threads are serialized onto the engine's loop.
-    """
-
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        *,
-        mover: KVMover | None = None,
-        lower_tiers: Sequence[LowerTier] = (),
-    ) -> None:
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="tiered-kv-loop", daemon=True
-        )
-        self._thread.start()
-        self._engine = TieredKVEngine(config, mover=mover, lower_tiers=lower_tiers)
-        self._closed = False
-        try:
-            self._call(self._engine.open())
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    @property
-    def engine(self) -> TieredKVEngine:
-        return self._engine
-
-    @property
-    def config(self) -> EngineConfig:
-        return self._engine.config
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise EngineStateError("SyncTieredKVEngine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def register_kv_caches(
-        self,
-        kv_caches: Sequence[Any] | Mapping[str, Any],
-        *,
-        model_name: str,
-        world_size: int = 1,
-        worker_id: int = 0,
-        layout_hints: Mapping[str, Any] | None = None,
-    ) -> MemoryLayoutDesc:
-        async def register() -> MemoryLayoutDesc:
-            return self._engine.register_kv_caches(
-                kv_caches,
-                model_name=model_name,
-                world_size=world_size,
-                worker_id=worker_id,
-                layout_hints=layout_hints,
-            )
-
-        return self._call(register())
-
-    def store(
-        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
-    ) -> int:
-        return self._call(self._engine.store(token_ids, block_ids, model_name=model_name))
-
-    def lookup(self, token_ids: TokenIds, *, model_name: str | None = None) -> int:
-        return self._call(self._engine.lookup(token_ids, model_name=model_name))
-
-    def retrieve(
-        self,
-        token_ids: TokenIds,
-        block_ids: Sequence[int],
-        *,
-        skip_prefix_tokens: int = 0,
-        model_name: str | None = None,
-        policy: str | None = None,
-    ) -> int:
-        return self._call(
-            self._engine.retrieve(
-                token_ids,
-                block_ids,
-                skip_prefix_tokens=skip_prefix_tokens,
-                model_name=model_name,
-                policy=policy,
-            )
-        )
-
-    def retrieve_detailed(
-        self,
-        token_ids: TokenIds,
-        block_ids: Sequence[int],
-        *,
-        skip_prefix_tokens: int = 0,
-        model_name: str | None = None,
-        policy: str | None = None,
-    ) -> RetrieveResult:
-        return self._call(
-            self._engine.retrieve_detailed(
-                token_ids,
-                block_ids,
-                skip_prefix_tokens=skip_prefix_tokens,
-                model_name=model_name,
-                policy=policy,
-            )
-        )
-
-    def prefetch(self, token_ids: TokenIds, *, model_name: str | None = None) -> SyncPrefetchHandle:
-        """`TieredKVEngine.prefetch` behind a blocking handle."""
-        return SyncPrefetchHandle(
-            self, self._call(self._engine.prefetch(token_ids, model_name=model_name))
-        )
-
-    def metrics_text(self) -> str:
-        async def text() -> str:
-            return self._engine.metrics_text()
-
-        return self._call(text())
-
-    def flush(self, timeout: float | None = None) -> int:
-        return self._call(self._engine.flush(timeout))
-
-    def evict_l1(self, max_bytes: int | None = None) -> int:
-        return self._call(self._engine.evict_l1(max_bytes))
-
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        async def stats() -> dict[str, dict[str, int | float]]:
-            return self._engine.stats()
-
-        return self._call(stats())
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            self._call(self._engine.aclose())
-        finally:
-            self._closed = True
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> SyncTieredKVEngine:
-        return self
-
-    def _run_on_loop(self, fn: Any) -> Any:
-        async def run() -> Any:
-            return fn()
-
-        return self._call(run())
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class SyncPrefetchHandle:
-    """Blocking twin of `PrefetchHandle`; every call hops to the engine's loop. Dropping it
-    frees the reservations like dropping the async handle does."""
-
-    def __init__(self, owner: SyncTieredKVEngine, handle: PrefetchHandle) -> None:
-        self._owner = owner
-        self._handle: PrefetchHandle | None = handle
-        self.hit_tokens = handle.hit_tokens
-
-    def _require(self) -> PrefetchHandle:
-        if self._handle is None:
-            raise EngineStateError("SyncPrefetchHandle: already cancelled")
-        return self._handle
-
-    def done(self) -> bool:
-        handle = self._require()
-        return bool(self._owner._run_on_loop(handle.done))
-
-    def ready_tokens(self) -> int:
-        handle = self._require()
-        return int(self._owner._run_on_loop(handle.ready_tokens))
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Block until the loads finish (at most ``timeout`` seconds); returns ready tokens."""
-        return self._owner._call(self._require().wait(timeout))
-
-    def cancel(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None and not self._owner._closed:
-            self._owner._run_on_loop(handle.cancel)
+        return getattr(sync, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 import torch
 import xxhash
 
+from tiered_kv.codec import DTYPES
 from tiered_kv.errors import LayoutError
 
 logger = logging.getLogger(__name__)
@@ -32,15 +33,8 @@ HINT_KEYS = ("format", "kv_layout", "block_size")
 Format = Literal["vllm", "flashinfer", "mla", "separate", "fused", "blocks"]
 KVLayout = Literal["NHD", "HND"]
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-}
+# The codec's dtype table, as torch dtypes: one table for what KV may be and how frames store it.
+DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in DTYPES}
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from tiered_kv.codec import GroupSpec
 from tiered_kv.errors import TieredKVError
-from tiered_kv.layout import MemoryLayoutDesc
+from tiered_kv.layout import DTYPE_NAMES, MemoryLayoutDesc
 
 ALIGN = 256
 _PAGE = 4096
@@ -243,6 +244,14 @@ class MemoryObj:
             self.arena.buffer(self.offset + off, g.nbytes(self.num_tokens))
             for off, g in zip(offsets, self.layout.groups, strict=True)
         ]
+
+    def group_specs(self) -> tuple[GroupSpec, ...]:
+        """The codec's view of the groups: one ``[L, K, T, D]`` spec each, as frames store
+        them (L2 files and L3 frames)."""
+        return tuple(
+            GroupSpec(DTYPE_NAMES[group.dtype], group.shape(self.num_tokens))
+            for group in self.layout.groups
+        )
 
     def __repr__(self) -> str:
         return (

@@ -1,11 +1,13 @@
-"""Typed metrics and the Prometheus text exposition of the engine's statistics.
+"""The engine's statistics as one typed snapshot, and its two views: ``stats()`` and Prometheus.
 
-Owns the mapping from `TieredKVEngine.stats()` (nested name → number dicts) to metric families
-with stable names, types, help texts and labels; renders them in the Prometheus text format
-(0.0.4) without any dependency; parses that format back (`parse_prometheus`, used by tests and
-handy for scrapers in scripts); and, when the optional ``prometheus-client`` is installed, offers
-a `PrometheusCollector` for its registry. Must not keep state of its own or touch the engine's
-internals: everything comes from `stats()`.
+Owns `EngineStats` (every component's frozen stats dataclass, taken together by
+`TieredKVEngine.statistics()`), the one place where it is turned into the nested name → number
+dicts of ``engine.stats()`` (`stats_dict`) and into metric families with stable names, types,
+help texts and labels (`engine_metrics`); renders them in the Prometheus text format (0.0.4)
+without any dependency; parses that format back (`parse_prometheus`, used by tests and handy for
+scrapers in scripts); and, when the optional ``prometheus-client`` is installed, offers a
+`PrometheusCollector` for its registry. Must not keep state of its own or touch the engine's
+internals: everything comes from the snapshot. Never reads a name back out of a dict key.
 """
 
 from __future__ import annotations
@@ -13,14 +15,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
-Stats = Mapping[str, Mapping[str, int | float]]
+from tiered_kv.gpu.base import MoverStats
+from tiered_kv.memory import ArenaStats
+from tiered_kv.prefetch import PrefetchStats
+from tiered_kv.storage import LowerTierTraffic, StorageStats
+from tiered_kv.tiers.base import TierStats
+from tiered_kv.tiers.l1 import L1Stats
+
+if TYPE_CHECKING:
+    from tiered_kv.engine import EngineCounters
+
+StatsDict = dict[str, dict[str, int | float]]
 Labels = tuple[tuple[str, str], ...]
 
 PREFIX = "tiered_kv"
 PREFETCH_OUTCOMES = ("ready_in_time", "ready_after_wait", "late", "cancelled", "failed", "unused")
+PREFETCH_LOAD_KINDS = ("loads_started", "loads_deduplicated", "stopped_no_space", "stopped_budget")
+# Results of lower-tier writes: `WriteQueueStats` fields, each a label value of writes_total.
 WRITE_RESULTS = (
     "done",
     "failed",
@@ -31,6 +45,152 @@ WRITE_RESULTS = (
     "demotions_refused",
     "admitted",
 )
+ENGINE_COUNTERS = (
+    ("store_calls", "store() calls"),
+    ("stored_tokens", "tokens newly stored"),
+    ("lookup_calls", "lookup() calls"),
+    ("lookup_hit_tokens", "tokens found cached by lookup()"),
+    ("retrieve_calls", "retrieve() calls"),
+    ("retrieved_tokens", "tokens delivered by retrieve()"),
+    ("retrieve_late_tokens", "cached tokens not delivered because loads were late"),
+    ("retrieve_failed_tokens", "cached tokens not delivered because a load failed"),
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Every component's statistics at one moment (`TieredKVEngine.statistics()`). Sections are
+    None while their component does not exist (before open, after close)."""
+
+    engine: EngineCounters  # a copy
+    l1: L1Stats | None = None
+    arena: ArenaStats | None = None
+    storage: StorageStats | None = None
+    prefetch: PrefetchStats | None = None
+    lower: tuple[tuple[str, TierStats], ...] = ()  # (tier name, its statistics), top first
+    mover: MoverStats | None = None
+
+    def transfer_paths(self) -> dict[str, tuple[float, float]]:
+        """Bytes and busy seconds per data path: device<->L1 (the mover), L1<->each lower tier."""
+        paths: dict[str, tuple[float, float]] = {}
+        if self.mover is not None:
+            paths["device_to_l1"] = (float(self.mover.bytes_gathered), self.mover.gather_seconds)
+            paths["l1_to_device"] = (float(self.mover.bytes_scattered), self.mover.scatter_seconds)
+        for tier in _unique_tiers(self.storage):
+            name = tier.name.lower()
+            writes = tier.writes
+            paths[f"l1_to_{name}"] = (
+                (float(writes.bytes_written), writes.busy_seconds) if writes else (0.0, 0.0)
+            )
+            paths[f"{name}_to_l1"] = (float(tier.reads.bytes_read), tier.reads.busy_seconds)
+        return paths
+
+    def throughput_gbps(self) -> dict[str, float]:
+        """GB/s (1e9 bytes) per path over the time the path was busy; 0 when it never ran."""
+        return {
+            path: _gbps(nbytes, seconds)
+            for path, (nbytes, seconds) in self.transfer_paths().items()
+        }
+
+
+def _gbps(nbytes: float, seconds: float) -> float:
+    return (nbytes / seconds / 1e9) if seconds > 0 else 0.0
+
+
+def throughput_gbps(stats: EngineStats) -> dict[str, int | float]:
+    """The ``throughput`` section of ``engine.stats()``: ``<path>_gbps`` per data path."""
+    return {f"{path}_gbps": gbps for path, gbps in stats.throughput_gbps().items()}
+
+
+def _unique_tiers(storage: StorageStats | None) -> list[LowerTierTraffic]:
+    """Lower tiers by name, the first of two tiers with the same name winning (as sections do)."""
+    if storage is None:
+        return []
+    seen: dict[str, LowerTierTraffic] = {}
+    for tier in storage.tiers:
+        seen.setdefault(tier.name.lower(), tier)
+    return list(seen.values())
+
+
+# -- the stats() view -----------------------------------------------------------------------------
+def _flat(stats: object, out: dict[str, int | float] | None = None) -> dict[str, int | float]:
+    """A stats dataclass as name → number: None fields left out, a nested stats dataclass
+    inlined (its names where the outer has none), a mapping as ``<field>_<name>``."""
+    out = {} if out is None else out
+    for field in dataclasses.fields(stats):  # type: ignore[arg-type]
+        value = getattr(stats, field.name)
+        if value is None or isinstance(value, str):
+            continue
+        if dataclasses.is_dataclass(value):
+            for name, inner in _flat(value).items():
+                out.setdefault(name, inner)
+        elif isinstance(value, Mapping):
+            for name, inner in value.items():
+                out[f"{field.name}_{name}"] = inner
+        else:
+            out[field.name] = int(value) if isinstance(value, bool) else value
+    return out
+
+
+def _storage_dict(storage: StorageStats) -> dict[str, int | float]:
+    out: dict[str, int | float] = {"hits_l1": storage.l1_hits}
+    for tier in storage.tiers:
+        key = f"hits_{tier.name.lower()}"
+        out[key] = out.get(key, 0) + tier.reads.hits
+    for name in (
+        "misses",
+        "promotions",
+        "promotion_failures",
+        "located_l1",
+        "located_misses",
+        "demoting",
+        "touches_sent",
+        "touch_failures",
+    ):
+        out[name] = getattr(storage, name)
+    for tier in storage.tiers:
+        name, reads = tier.name.lower(), tier.reads
+        out[f"located_{name}"] = reads.located
+        out[f"{name}_read_failures"] = reads.failures
+        out[f"{name}_read_bytes"] = reads.bytes_read
+        out[f"{name}_read_seconds"] = reads.read_seconds
+        out[f"{name}_read_busy_seconds"] = reads.busy_seconds
+    for tier in storage.tiers:
+        if tier.writes is None:
+            continue
+        prefix = f"{tier.name.lower()}_write"
+        for name, value in _flat(tier.writes).items():
+            # bytes_written / write_seconds read as <tier>_write_bytes / _write_seconds.
+            short = {"bytes_written": "bytes", "write_seconds": "seconds"}.get(name, name)
+            out[f"{prefix}_{short}"] = value
+    return out
+
+
+def stats_dict(stats: EngineStats) -> StatsDict:
+    """``engine.stats()``: nested sections of name → number (engine, l1, storage, one per lower
+    tier by lower-case name, prefetch, arena, mover, throughput)."""
+    out: StatsDict = {"engine": dict(dataclasses.asdict(stats.engine))}
+    if stats.l1 is not None:
+        out["l1"] = _flat(stats.l1)
+    if stats.storage is not None:
+        out["storage"] = _storage_dict(stats.storage)
+    for name, tier in stats.lower:
+        out.setdefault(name.lower(), _flat(tier))
+    if stats.prefetch is not None:
+        out["prefetch"] = _flat(stats.prefetch)
+    if stats.arena is not None:
+        out["arena"] = _flat(stats.arena)
+    if stats.mover is not None:
+        mover = stats.mover
+        out["mover"] = {
+            "bytes_gathered": mover.bytes_gathered,
+            "bytes_scattered": mover.bytes_scattered,
+            "gather_seconds": mover.gather_seconds,
+            "scatter_seconds": mover.scatter_seconds,
+            **mover.extra,
+        }
+    out["throughput"] = throughput_gbps(stats)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,49 +227,6 @@ _NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
-# -- paths and throughput -----------------------------------------------------------------------
-def transfer_paths(stats: Stats) -> dict[str, tuple[float, float]]:
-    """Bytes and busy seconds per data path: device<->L1 (the mover), L1<->each lower tier."""
-    paths: dict[str, tuple[float, float]] = {}
-    mover = stats.get("mover", {})
-    if mover:
-        paths["device_to_l1"] = (
-            float(mover.get("bytes_gathered", 0)),
-            float(mover.get("gather_seconds", 0)),
-        )
-        paths["l1_to_device"] = (
-            float(mover.get("bytes_scattered", 0)),
-            float(mover.get("scatter_seconds", 0)),
-        )
-    storage = stats.get("storage", {})
-    for name in _lower_tier_names(storage):
-        paths[f"l1_to_{name}"] = (
-            float(storage.get(f"{name}_write_bytes", 0)),
-            float(storage.get(f"{name}_write_busy_seconds", 0)),
-        )
-        paths[f"{name}_to_l1"] = (
-            float(storage.get(f"{name}_read_bytes", 0)),
-            float(storage.get(f"{name}_read_busy_seconds", 0)),
-        )
-    return paths
-
-
-def throughput_gbps(stats: Stats) -> dict[str, int | float]:
-    """GB/s (1e9 bytes) per path over the time the path was busy; 0 when it never ran."""
-    return {
-        f"{path}_gbps": (nbytes / seconds / 1e9) if seconds > 0 else 0.0
-        for path, (nbytes, seconds) in transfer_paths(stats).items()
-    }
-
-
-def _lower_tier_names(storage: Mapping[str, int | float]) -> list[str]:
-    return [key[len("located_") :] for key in storage if _is_located_tier(key)]
-
-
-def _is_located_tier(key: str) -> bool:
-    return key.startswith("located_") and key not in ("located_l1", "located_misses")
-
-
 # -- families -----------------------------------------------------------------------------------
 class _Builder:
     def __init__(self) -> None:
@@ -132,170 +249,149 @@ class _Builder:
             self.families[full] = dataclasses.replace(family, samples=(*family.samples, sample))
 
 
-def engine_metrics(stats: Stats) -> list[MetricFamily]:
-    """Metric families from `TieredKVEngine.stats()`."""
-    b = _Builder()
-    engine = stats.get("engine", {})
-    for name, help_text in (
-        ("store_calls", "store() calls"),
-        ("stored_tokens", "tokens newly stored"),
-        ("lookup_calls", "lookup() calls"),
-        ("lookup_hit_tokens", "tokens found cached by lookup()"),
-        ("retrieve_calls", "retrieve() calls"),
-        ("retrieved_tokens", "tokens delivered by retrieve()"),
-        ("retrieve_late_tokens", "cached tokens not delivered because loads were late"),
-        ("retrieve_failed_tokens", "cached tokens not delivered because a load failed"),
-    ):
-        if name in engine:
-            b.add(name, "counter", help_text, engine[name])
-    storage = stats.get("storage", {})
-    tiers = _lower_tier_names(storage)
-    for key, count in storage.items():
-        if key.startswith("hits_"):
-            b.add(
-                "hits",
-                "counter",
-                "chunks delivered from each tier",
-                count,
-                tier=key[len("hits_") :],
-            )
-    b.add("misses", "counter", "chunk reads that found no usable copy", storage.get("misses", 0))
-    b.add(
-        "lookup_chunks",
-        "counter",
-        "chunks located by lookup, by tier",
-        storage.get("located_l1", 0),
-        tier="l1",
-    )
-    for name in tiers:
-        b.add(
-            "lookup_chunks",
-            "counter",
-            "chunks located by lookup, by tier",
-            storage.get(f"located_{name}", 0),
-            tier=name,
-        )
+def _storage_families(b: _Builder, storage: StorageStats | None) -> None:
+    tiers = _unique_tiers(storage)
+    hits: dict[str, float] = {"l1": _get(storage, "l1_hits")}
+    for tier in [] if storage is None else storage.tiers:
+        hits[tier.name.lower()] = hits.get(tier.name.lower(), 0) + tier.reads.hits
+    for name, count in hits.items():
+        b.add("hits", "counter", "chunks delivered from each tier", count, tier=name)
+    b.add("misses", "counter", "chunk reads that found no usable copy", _get(storage, "misses"))
+    located = [("l1", _get(storage, "located_l1"))]
+    located += [(tier.name.lower(), tier.reads.located) for tier in tiers]
+    for name, count in located:
+        b.add("lookup_chunks", "counter", "chunks located by lookup, by tier", count, tier=name)
     b.add(
         "lookup_misses",
         "counter",
         "lookups whose prefix ended before the request's end",
-        storage.get("located_misses", 0),
+        _get(storage, "located_misses"),
     )
-    for name in tiers:
+    for tier in tiers:
+        name = tier.name.lower()
         b.add(
             "read_failures",
             "counter",
             "lower-tier reads that failed (counted as misses)",
-            storage.get(f"{name}_read_failures", 0),
+            tier.reads.failures,
             tier=name,
         )
-        prefix = f"{name}_write"
-        if f"{prefix}_queue_depth" in storage:
+        if tier.writes is None:
+            continue
+        b.add(
+            "write_queue_depth",
+            "gauge",
+            "chunks waiting for their lower-tier write",
+            tier.writes.queue_depth,
+            tier=name,
+        )
+        b.add(
+            "write_queue_capacity",
+            "gauge",
+            "bound of each lower-tier write queue",
+            tier.writes.queue_capacity,
+            tier=name,
+        )
+        for result in WRITE_RESULTS:
             b.add(
-                "write_queue_depth",
-                "gauge",
-                "chunks waiting for their lower-tier write",
-                storage[f"{prefix}_queue_depth"],
+                "writes",
+                "counter",
+                "lower-tier writes by result",
+                getattr(tier.writes, result),
                 tier=name,
+                result=result,
             )
-            b.add(
-                "write_queue_capacity",
-                "gauge",
-                "bound of each lower-tier write queue",
-                storage.get(f"{prefix}_queue_capacity", 0),
-                tier=name,
-            )
-            for result in WRITE_RESULTS:
-                b.add(
-                    "writes",
-                    "counter",
-                    "lower-tier writes by result",
-                    storage.get(f"{prefix}_{result}", 0),
-                    tier=name,
-                    result=result,
-                )
-    for path, (nbytes, seconds) in transfer_paths(stats).items():
+
+
+def _get(stats: object | None, name: str) -> float:
+    return 0 if stats is None else float(getattr(stats, name))
+
+
+def _prefetch_families(b: _Builder, prefetch: PrefetchStats) -> None:
+    counters = prefetch.counters
+    for outcome in PREFETCH_OUTCOMES:
+        b.add(
+            "prefetch_outcomes",
+            "counter",
+            "prefetched chunks by outcome",
+            getattr(counters, outcome),
+            outcome=outcome,
+        )
+    for kind in PREFETCH_LOAD_KINDS:
+        b.add(
+            "prefetch_loads",
+            "counter",
+            "prefetch reservations by kind",
+            getattr(counters, kind),
+            kind=kind,
+        )
+    b.add(
+        "prefetch_bytes_loaded",
+        "counter",
+        "bytes loaded into L1 by prefetch",
+        counters.bytes_loaded,
+    )
+    b.add(
+        "prefetch_in_flight",
+        "gauge",
+        "prefetch loads not finished (queued + running)",
+        prefetch.in_flight,
+    )
+    b.add("prefetch_queued", "gauge", "prefetch loads waiting for a tier slot", prefetch.queued)
+    b.add(
+        "prefetch_reserved_bytes",
+        "gauge",
+        "L1 bytes held by prefetch reservations",
+        prefetch.reserved_bytes,
+    )
+
+
+def engine_metrics(stats: EngineStats) -> list[MetricFamily]:
+    """Metric families from `TieredKVEngine.statistics()`."""
+    b = _Builder()
+    for name, help_text in ENGINE_COUNTERS:
+        b.add(name, "counter", help_text, getattr(stats.engine, name))
+    _storage_families(b, stats.storage)
+    for path, (nbytes, seconds) in stats.transfer_paths().items():
         b.add("transfer_bytes", "counter", "bytes moved per data path", nbytes, path=path)
         b.add("transfer_seconds", "counter", "seconds each data path was busy", seconds, path=path)
         b.add(
             "throughput_gbps",
             "gauge",
             "GB/s per data path over its busy time",
-            (nbytes / seconds / 1e9) if seconds > 0 else 0.0,
+            _gbps(nbytes, seconds),
             path=path,
         )
-    prefetch = stats.get("prefetch", {})
-    if prefetch:
-        for outcome in PREFETCH_OUTCOMES:
-            b.add(
-                "prefetch_outcomes",
-                "counter",
-                "prefetched chunks by outcome",
-                prefetch.get(outcome, 0),
-                outcome=outcome,
-            )
-        for kind in ("loads_started", "loads_deduplicated", "stopped_no_space", "stopped_budget"):
-            b.add(
-                "prefetch_loads",
-                "counter",
-                "prefetch reservations by kind",
-                prefetch.get(kind, 0),
-                kind=kind,
-            )
-        b.add(
-            "prefetch_bytes_loaded",
-            "counter",
-            "bytes loaded into L1 by prefetch",
-            prefetch.get("bytes_loaded", 0),
-        )
-        b.add(
-            "prefetch_in_flight",
-            "gauge",
-            "prefetch loads not finished (queued + running)",
-            prefetch.get("in_flight", 0),
-        )
-        b.add(
-            "prefetch_queued",
-            "gauge",
-            "prefetch loads waiting for a tier slot",
-            prefetch.get("queued", 0),
-        )
-        b.add(
-            "prefetch_reserved_bytes",
-            "gauge",
-            "L1 bytes held by prefetch reservations",
-            prefetch.get("reserved_bytes", 0),
-        )
-    l1 = stats.get("l1", {})
-    arena = stats.get("arena", {})
-    if l1:
-        b.add("occupancy_bytes", "gauge", "bytes held per tier", l1.get("bytes_used", 0), tier="l1")
-        b.add("entries", "gauge", "chunks held per tier", l1.get("entries", 0), tier="l1")
-        b.add("evictions", "counter", "chunks evicted per tier", l1.get("evictions", 0), tier="l1")
-        b.add(
-            "l1_dirty_chunks",
-            "gauge",
-            "L1 chunks waiting for a write_back demotion",
-            l1.get("dirty", 0),
-        )
-    if arena:
-        b.add("capacity_bytes", "gauge", "capacity per tier", arena.get("capacity", 0), tier="l1")
+    if stats.prefetch is not None:
+        _prefetch_families(b, stats.prefetch)
+    occupancy: list[tuple[str, int | None, int | None, int | None]] = []
+    if stats.l1 is not None:
+        l1 = stats.l1
+        occupancy.append(("l1", l1.bytes_used, l1.entries, None))
+        b.add("evictions", "counter", "chunks evicted per tier", l1.evictions, tier="l1")
+        b.add("l1_dirty_chunks", "gauge", "L1 chunks waiting for a write_back demotion", l1.dirty)
+    if stats.arena is not None:
+        b.add("capacity_bytes", "gauge", "capacity per tier", stats.arena.capacity, tier="l1")
         b.add(
             "l1_arena_used_bytes",
             "gauge",
             "host arena bytes allocated (staging included)",
-            arena.get("used", 0),
+            stats.arena.used,
         )
-    for name in tiers:
-        section = stats.get(name, {})
-        if "bytes_used" in section:
-            b.add(
-                "occupancy_bytes", "gauge", "bytes held per tier", section["bytes_used"], tier=name
+    seen = {"l1"}
+    for name, tier_stats in stats.lower:
+        if name.lower() not in seen:
+            seen.add(name.lower())
+            occupancy.append(
+                (name.lower(), tier_stats.bytes_used, tier_stats.entries, tier_stats.capacity)
             )
-        if "entries" in section:
-            b.add("entries", "gauge", "chunks held per tier", section["entries"], tier=name)
-        if "capacity" in section:
-            b.add("capacity_bytes", "gauge", "capacity per tier", section["capacity"], tier=name)
+    for name, used, entries, capacity in occupancy:
+        if used is not None:
+            b.add("occupancy_bytes", "gauge", "bytes held per tier", used, tier=name)
+        if entries is not None:
+            b.add("entries", "gauge", "chunks held per tier", entries, tier=name)
+        if capacity is not None:
+            b.add("capacity_bytes", "gauge", "capacity per tier", capacity, tier=name)
     return list(b.families.values())
 
 
@@ -390,21 +486,29 @@ def parse_prometheus(text: str) -> dict[tuple[str, Labels], float]:
 class PrometheusCollector:
     """A ``prometheus_client`` collector over an engine (needs the ``metrics`` extra)::
 
-        prometheus_client.REGISTRY.register(PrometheusCollector(engine))
+        prometheus_client.REGISTRY.register(PrometheusCollector(sync_engine.statistics))
 
-    `collect` runs in the scraping thread: pass ``stats`` a thread-safe callable (for example
-    `SyncTieredKVEngine.stats`) when the engine's loop runs elsewhere.
+    ``statistics``: a callable returning `EngineStats`. `collect` runs in the scraping thread:
+    pass a thread-safe one (`SyncTieredKVEngine.statistics`) when the engine's loop runs
+    elsewhere.
     """
 
-    def __init__(self, stats: Any) -> None:
+    def __init__(self, statistics: Callable[[], EngineStats]) -> None:
         import prometheus_client.core  # noqa: F401 - fail early without the extra
 
-        self._stats = stats
+        self._statistics = statistics
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        for family in engine_metrics(self._stats()):
+        stats = self._statistics()
+        if not isinstance(stats, EngineStats):
+            raise TypeError(
+                "PrometheusCollector: the callable returned "
+                f"{type(stats).__name__}, not EngineStats; pass engine.statistics (not "
+                "engine.stats, whose dicts are for reading, not for metrics)"
+            )
+        for family in engine_metrics(stats):
             names = sorted({k for sample in family.samples for k, _ in sample.labels})
             metric: Any
             if family.kind == "counter":

@@ -50,6 +50,19 @@ class PrefetchCounters:
     bytes_loaded: int = 0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefetchStats:
+    """`PrefetchController.stats()`: the counters, and what is in flight now."""
+
+    counters: PrefetchCounters  # a copy
+    in_flight: int  # loads not finished (queued + running)
+    running: int  # loads holding a tier slot
+    queued: int  # loads waiting for a tier slot
+    reserved_bytes: int  # L1 bytes held by prefetch reservations
+    budget_bytes: int
+    live_handles: int
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Load:
     key: ChunkKey
@@ -209,15 +222,17 @@ class PrefetchController:
         self._handles.add(handle)
         return handle
 
-    def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict(dataclasses.asdict(self.counters))
-        out["in_flight"] = len(self._loads)
-        out["running"] = sum(1 for load in self._loads.values() if load.running)
-        out["queued"] = sum(1 for load in self._loads.values() if not load.running)
-        out["reserved_bytes"] = self.reserved_bytes
-        out["budget_bytes"] = self.l1_budget_bytes
-        out["live_handles"] = sum(1 for handle in self._handles if not handle.released)
-        return out
+    def stats(self) -> PrefetchStats:
+        running = sum(1 for load in self._loads.values() if load.running)
+        return PrefetchStats(
+            counters=dataclasses.replace(self.counters),
+            in_flight=len(self._loads),
+            running=running,
+            queued=len(self._loads) - running,
+            reserved_bytes=self.reserved_bytes,
+            budget_bytes=self.l1_budget_bytes,
+            live_handles=sum(1 for handle in self._handles if not handle.released),
+        )
 
     async def aclose(self) -> None:
         """Cancel every handle and load and wait for the loads to let go of their objects."""

@@ -23,6 +23,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import MemoryObj
+from tiered_kv.snapshot import snapshot
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
 
@@ -69,7 +70,7 @@ class _WriteQueue:
     workers: list[asyncio.Task[None]]
     dropped_full: int = 0
     dropped_close: int = 0
-    written: int = 0
+    done: int = 0
     failed: int = 0
     skipped_present: int = 0
     demoted: int = 0
@@ -88,6 +89,62 @@ class _TierReads:
     bytes_read: int = 0
     read_seconds: float = 0.0  # sum of per-read latencies
     busy: BusyClock = dataclasses.field(default_factory=BusyClock)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierReadStats:
+    """Reads of one lower tier into L1 (lookups that found chunks there, loads)."""
+
+    located: int  # chunks lookups found first in this tier
+    hits: int  # chunks read into L1
+    failures: int  # reads (and batched lookups) that failed: misses
+    bytes_read: int
+    read_seconds: float  # sum of per-read latencies
+    busy_seconds: float  # time at least one read was running (throughput's denominator)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteQueueStats:
+    """One lower tier's bounded write queue and what became of its writes."""
+
+    policy: str
+    queue_depth: int
+    queue_capacity: int
+    pending: int  # queued or being written
+    done: int
+    failed: int
+    dropped_full: int
+    dropped_close: int
+    skipped_present: int
+    demoted: int  # write_back: queued at L1 eviction (or at close)
+    demotions_refused: int  # write_back: eviction refused, the queue was full
+    admitted: int  # selective: queued once a chunk reached its hits
+    bytes_written: int
+    write_seconds: float  # sum of per-write latencies
+    busy_seconds: float  # time at least one write was running
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LowerTierTraffic:
+    """Storage's books on one lower tier: reads, and writes once the queue exists (open)."""
+
+    name: str
+    reads: TierReadStats
+    writes: WriteQueueStats | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StorageStats:
+    l1_hits: int  # chunks delivered from L1
+    misses: int  # reads that found no usable copy in any tier holding the key
+    promotions: int
+    promotion_failures: int
+    located_l1: int
+    located_misses: int  # lookups whose prefix ended before the request's end
+    demoting: int  # write_back chunks evicted from L1, still waiting for their write
+    touches_sent: int
+    touch_failures: int
+    tiers: tuple[LowerTierTraffic, ...]  # top first
 
 
 class StorageManager:
@@ -132,7 +189,7 @@ class StorageManager:
         self._toucher: asyncio.Task[None] | None = None
         self.touches_sent = 0
         self.touch_failures = 0
-        self.hits = {name: 0 for name in (l1.name, *(tier.name for tier in self.lower))}
+        self.l1_hits = 0
         self.reads = [_TierReads() for _ in self.lower]
         self.misses = 0
         self.located_l1 = 0
@@ -310,7 +367,7 @@ class StorageManager:
                 finally:
                     wq.busy.stop()
                 if stored:
-                    wq.written += 1
+                    wq.done += 1
                     wq.bytes_written += obj.nbytes
                     wq.write_seconds += time.perf_counter() - start
                 else:
@@ -342,7 +399,7 @@ class StorageManager:
             if self.l1.commit(key, demoting):
                 self.l1.mark_dirty(key)  # its write is still pending; `_settle` cleans it
             obj = demoting.ref()
-        self.hits[self.l1.name] += 1
+        self.l1_hits += 1
         self._note_l1_hit(key)
         return obj
 
@@ -409,7 +466,6 @@ class StorageManager:
         reads.hits += 1
         reads.bytes_read += obj.nbytes
         reads.read_seconds += elapsed
-        self.hits[tier.name] += 1
         return True
 
     def promote(self, key: ChunkKey, obj: MemoryObj) -> bool:
@@ -518,39 +574,24 @@ class StorageManager:
             self._opened = False
         return dropped
 
-    def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {
-            f"hits_{name.lower()}": count for name, count in self.hits.items()
+    def stats(self) -> StorageStats:
+        writes = {
+            id(wq.tier): snapshot(
+                WriteQueueStats,
+                wq,
+                queue_depth=wq.queue.qsize(),
+                queue_capacity=wq.queue.maxsize,
+                pending=len(wq.pending),
+                busy_seconds=wq.busy.seconds,
+            )
+            for wq in self._queues
         }
-        out["misses"] = self.misses
-        out["promotions"] = self.promotions
-        out["promotion_failures"] = self.promotion_failures
-        out["located_l1"] = self.located_l1
-        out["located_misses"] = self.located_misses
-        out["demoting"] = len(self._demoting)
-        out["touches_sent"] = self.touches_sent
-        out["touch_failures"] = self.touch_failures
-        for tier, reads in zip(self.lower, self.reads, strict=True):
-            prefix = f"{tier.name.lower()}_read"
-            out[f"located_{tier.name.lower()}"] = reads.located
-            out[f"{prefix}_failures"] = reads.failures
-            out[f"{prefix}_bytes"] = reads.bytes_read
-            out[f"{prefix}_seconds"] = reads.read_seconds
-            out[f"{prefix}_busy_seconds"] = reads.busy.seconds
-        for wq in self._queues:
-            prefix = f"{wq.tier.name.lower()}_write"
-            out[f"{prefix}_queue_depth"] = wq.queue.qsize()
-            out[f"{prefix}_queue_capacity"] = wq.queue.maxsize
-            out[f"{prefix}_pending"] = len(wq.pending)
-            out[f"{prefix}_done"] = wq.written
-            out[f"{prefix}_failed"] = wq.failed
-            out[f"{prefix}_dropped_full"] = wq.dropped_full
-            out[f"{prefix}_dropped_close"] = wq.dropped_close
-            out[f"{prefix}_skipped_present"] = wq.skipped_present
-            out[f"{prefix}_demoted"] = wq.demoted
-            out[f"{prefix}_demotions_refused"] = wq.demotions_refused
-            out[f"{prefix}_admitted"] = wq.admitted
-            out[f"{prefix}_bytes"] = wq.bytes_written
-            out[f"{prefix}_seconds"] = wq.write_seconds
-            out[f"{prefix}_busy_seconds"] = wq.busy.seconds
-        return out
+        tiers = tuple(
+            LowerTierTraffic(
+                tier.name,
+                snapshot(TierReadStats, reads, busy_seconds=reads.busy.seconds),
+                writes.get(id(tier)),
+            )
+            for tier, reads in zip(self.lower, self.reads, strict=True)
+        )
+        return snapshot(StorageStats, self, demoting=len(self._demoting), tiers=tiers)

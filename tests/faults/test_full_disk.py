@@ -166,12 +166,12 @@ async def test_full_disk_evicts_resumes_and_recovers(disk: Disk) -> None:
         stored = await put_all(tier, arena, range(PUTS_WHILE_FULL))
         full = tier.stats()
         assert all(stored), f"{stored.count(False)} puts failed on the full disk"
-        assert full["no_space_errors"] >= 1
-        assert full["evictions"] >= PUTS_WHILE_FULL // 2
-        assert full["put_failures"] == 0
-        assert full["bytes_used"] <= full["effective_capacity"] <= DISK - OTHER_FILES
+        assert full.no_space_errors >= 1
+        assert full.evictions >= PUTS_WHILE_FULL // 2
+        assert full.put_failures == 0
+        assert full.bytes_used <= full.effective_capacity <= DISK - OTHER_FILES
         assert temp_files(disk.root) == []
-        assert len(chunk_files(disk.root)) == full["entries"]
+        assert len(chunk_files(disk.root)) == full.entries
         recent = [key_of(index) for index in range(PUTS_WHILE_FULL - 8, PUTS_WHILE_FULL)]
         assert all(tier.contains(key) for key in recent)
         verified = await verify_every_entry(tier, arena, range(PUTS_WHILE_FULL))
@@ -182,8 +182,8 @@ async def test_full_disk_evicts_resumes_and_recovers(disk: Disk) -> None:
         assert all(await put_all(tier, arena, later))
         freed = tier.stats()
         # Up by what the other files held, less a little (block rounding, chunks in flight).
-        assert freed["effective_capacity"] >= full["effective_capacity"] + OTHER_FILES - MiB // 4
-        assert freed["entries"] > full["entries"]
+        assert freed.effective_capacity >= full.effective_capacity + OTHER_FILES - MiB // 4
+        assert freed.entries > full.entries
         assert temp_files(disk.root) == []
         written = range(PUTS_WHILE_FULL + PUTS_AFTER_FREEING)
         verified += await verify_every_entry(tier, arena, written)
@@ -194,8 +194,8 @@ async def test_full_disk_evicts_resumes_and_recovers(disk: Disk) -> None:
     again = disk.tier()
     await again.open()
     try:
-        assert again.stats()["entries"] == freed["entries"]
-        assert again.stats()["corrupt_removed"] == 0
+        assert again.stats().entries == freed.entries
+        assert again.stats().corrupt_removed == 0
         verified += await verify_every_entry(again, arena, written)
     finally:
         await again.aclose()
@@ -203,9 +203,9 @@ async def test_full_disk_evicts_resumes_and_recovers(disk: Disk) -> None:
     print(
         f"\nfull disk ({disk.kind}, {DISK // MiB} MiB, {OTHER_FILES // MiB} MiB of other files, "
         f"capacity {CAPACITY // MiB} MiB): {PUTS_WHILE_FULL} puts, all stored; "
-        f"{full['no_space_errors']} no-space errors, {full['no_space_retries']} retries, "
-        f"{full['evictions']} evictions; effective capacity {full['effective_capacity'] / MiB:.2f}"
-        f" MiB, {freed['effective_capacity'] / MiB:.2f} MiB after the other files went "
-        f"({freed['no_space_errors']} no-space errors by then); {verified} reads verified, "
+        f"{full.no_space_errors} no-space errors, {full.no_space_retries} retries, "
+        f"{full.evictions} evictions; effective capacity {full.effective_capacity / MiB:.2f}"
+        f" MiB, {freed.effective_capacity / MiB:.2f} MiB after the other files went "
+        f"({freed.no_space_errors} no-space errors by then); {verified} reads verified, "
         f"no temp files; {time.perf_counter() - started:.1f} s"
     )

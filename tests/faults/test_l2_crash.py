@@ -228,7 +228,7 @@ async def test_sigkilled_writers_leave_only_complete_chunks(tmp_path: Path) -> N
     verified = 0
     try:
         found = {key for key, _, _ in tier.entries()}
-        assert tier.stats()["corrupt_removed"] == 0  # no torn file ever bears a chunk's name
+        assert tier.stats().corrupt_removed == 0  # no torn file ever bears a chunk's name
         assert temp_files(root) == []
         assert found <= set(expected), "a chunk nobody wrote"
         assert committed <= found, "a chunk reported as stored is gone"
@@ -248,7 +248,7 @@ async def test_sigkilled_writers_leave_only_complete_chunks(tmp_path: Path) -> N
             finally:
                 want.unref()
                 got.unref()
-        assert tier.stats()["hits"] == verified
+        assert tier.stats().hits == verified
     finally:
         await tier.aclose()
         assert arena.close() == 0

@@ -42,6 +42,30 @@ class ChunkTransfer:
             )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoverStats:
+    """What every mover reports: bytes and seconds each way (``*_seconds``: the sum of per-call
+    times), plus its own counters by name (``extra``: per path, completion polls, ...)."""
+
+    bytes_gathered: int = 0
+    bytes_scattered: int = 0
+    gather_seconds: float = 0.0
+    scatter_seconds: float = 0.0
+    extra: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_counters(cls, counters: Mapping[str, int | float]) -> MoverStats:
+        """From a mover's flat `KVMover.stats` (the four common names, the rest as ``extra``)."""
+        common = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(
+            bytes_gathered=int(counters.get("bytes_gathered", 0)),
+            bytes_scattered=int(counters.get("bytes_scattered", 0)),
+            gather_seconds=float(counters.get("gather_seconds", 0.0)),
+            scatter_seconds=float(counters.get("scatter_seconds", 0.0)),
+            extra={k: v for k, v in counters.items() if k not in common},
+        )
+
+
 class LayerLoad(abc.ABC):
     """A layerwise scatter in flight: one completion point per model layer.
 

@@ -18,11 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tiered_kv.config import EngineConfig
-from tiered_kv.engine import RetrieveResult, SyncTieredKVEngine
+from tiered_kv.engine import RetrieveResult
 from tiered_kv.integrations.lookup_channel import LookupServer
 from tiered_kv.keys import TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
+from tiered_kv.sync import SyncTieredKVEngine
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,28 @@ Contract for implementers:
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Sequence
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TierStats:
+    """A lower tier's statistics: occupancy where the tier knows it (None where it does not, as
+    for a remote store other processes share); each tier subclasses it with its own counters.
+
+    Fields are numbers, None, a nested `TierStats` (a wrapper's inner tier) or a name → number
+    mapping (a client's counters); `tiered_kv.metrics` flattens them into ``engine.stats()``.
+    """
+
+    entries: int | None = None
+    bytes_used: int | None = None
+    capacity: int | None = None
+
+
+TIER_OCCUPANCY = tuple(field.name for field in dataclasses.fields(TierStats))
 
 
 class LowerTier(abc.ABC):
@@ -65,8 +83,8 @@ class LowerTier(abc.ABC):
         """Drop ``key``; True when it was present."""
 
     @abc.abstractmethod
-    def stats(self) -> Mapping[str, int | float]:
-        """Counters and occupancy, flat name → number."""
+    def stats(self) -> TierStats:
+        """Counters and occupancy: a frozen `TierStats` (subclass) snapshot."""
 
     @abc.abstractmethod
     async def aclose(self) -> None:

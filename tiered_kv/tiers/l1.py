@@ -12,16 +12,30 @@ False): the entry then stays, so evicted data is never lost when its demotion ca
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.snapshot import snapshot
 
 # Called before an entry leaves the tier. Returning False refuses the eviction (the entry stays);
 # None or True let it go. A hook that needs the bytes afterwards takes its own reference.
 EvictHook = Callable[[ChunkKey, MemoryObj], "bool | None"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class L1Stats:
+    entries: int
+    bytes_used: int
+    hits: int
+    misses: int
+    evictions: int
+    allocation_failures: int
+    dirty: int  # waiting for a write_back demotion
+    evictions_refused: int  # by the eviction hook (a full write_back queue)
 
 
 class L1Tier:
@@ -157,14 +171,11 @@ class L1Tier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "entries": len(self._entries),
-            "bytes_used": self._bytes,
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self.evictions,
-            "allocation_failures": self.allocation_failures,
-            "dirty": len(self._dirty),
-            "evictions_refused": self.evictions_refused,
-        }
+    def stats(self) -> L1Stats:
+        return snapshot(
+            L1Stats,
+            self,
+            entries=len(self._entries),
+            bytes_used=self._bytes,
+            dirty=len(self._dirty),
+        )

@@ -18,7 +18,7 @@ since the failed attempt began (by its own eviction or another put's). While the
 capacity is below ``capacity`` every write also measures the free space (in the write's own
 thread hop), so the effective capacity follows the filesystem back up when space is freed (and
 down, before the next ``ENOSPC``, when something else fills it); a put that would not fit even
-in an emptied tier measures once more before it is refused. ``stats()`` reports
+in an emptied tier measures once more before it is refused. ``stats()`` (`DiskStats`) reports
 ``effective_capacity`` and ``no_space_errors``.
 
 A removed directory: every write checks that ``root/.lock`` is still the file it holds the lock
@@ -34,7 +34,8 @@ executor through `_run_blocking`, one hop per put / get. Not aiofiles: an aiofil
 as soon as its task is cancelled while the worker thread keeps going, so a cancelled `get_into`
 would go on writing into a `MemoryObj` its caller may already have released (and a cancelled
 unlink could delete a file written after it). `_run_blocking` tells the thread to stop and waits
-for it before cancellation propagates.
+for it before cancellation propagates. Made as cancel-safe, aiofiles still hops once per call and
+leaves the hashing on the loop: reads at 58-80% of this path (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ from tiered_kv.codec import (
     PREFIX_LEN,
     ChunkHeader,
     CodecLimits,
+    FrameCheck,
     GroupSpec,
     check_encodable,
+    check_frame_header,
+    check_payload_checksum,
     decode_header,
     encode_header,
     encoded_header_len,
@@ -80,9 +84,9 @@ from tiered_kv.errors import (
     TieredKVError,
 )
 from tiered_kv.keys import ChunkKey
-from tiered_kv.layout import DTYPE_NAMES
 from tiered_kv.memory import MemoryObj
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.snapshot import counter_fields
+from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +105,6 @@ _NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 _NO_SPACE_RETRIES = 2
 
 _T = TypeVar("_T")
-
-
-def chunk_specs(obj: MemoryObj) -> tuple[GroupSpec, ...]:
-    """The codec's view of ``obj``: one ``[L, K, T, D]`` spec per host group."""
-    return tuple(
-        GroupSpec(DTYPE_NAMES[group.dtype], group.shape(obj.num_tokens))
-        for group in obj.layout.groups
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,16 +168,33 @@ def _check_abort(abort: threading.Event) -> None:
 
 
 class FileOps:
-    """The system calls through which `DiskTier` writes chunk files: the seam for fault tests.
+    """The system calls through which `DiskTier` moves chunk files: the one seam for I/O faults.
 
-    Tests pass a subclass to `DiskTier` (``file_ops=``) to fail writes the way a full disk does
-    (see `tiered_kv.tiers.testing.FullDiskFileOps`). Called from executor threads, several at
-    once: implementations must be thread-safe.
+    Tests pass a subclass to `DiskTier` (``file_ops=``) to fail or slow writes, reads and
+    directory syncs the way a failing or full disk does (see
+    `tiered_kv.tiers.testing.FullDiskFileOps`). Called from executor threads, several at once:
+    implementations must be thread-safe.
     """
+
+    read_slice_bytes: int = _READ_SLICE_BYTES
+    """Reads move a payload in slices of this many bytes, each hashed right after it lands."""
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         """`os.pwrite`: may write fewer bytes than given, raises `OSError` (e.g. ``ENOSPC``)."""
         return os.pwrite(fd, data, offset)
+
+    def readinto(self, file: io.FileIO, buffer: memoryview) -> int:
+        """`io.FileIO.readinto`: may read fewer bytes than asked (0 at end of file), raises
+        `OSError` (e.g. ``EIO``)."""
+        return file.readinto(buffer) or 0
+
+    def fsync_directory(self, directory: Path) -> None:
+        """Make ``directory``'s entries durable (a new file's name, a rename)."""
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def free_bytes(self, directory: Path) -> int | None:
         """Bytes still free for us on ``directory``'s filesystem; None when that is unknown."""
@@ -227,11 +240,11 @@ def _read_exact(file: io.FileIO, size: int) -> bytes:
     return b"".join(parts)
 
 
-def _readinto_exact(file: io.FileIO, buffer: memoryview) -> bool:
+def _readinto_exact(file: io.FileIO, buffer: memoryview, file_ops: FileOps) -> bool:
     """Fill ``buffer`` from ``file``; False when the file ends first."""
     filled = 0
     while filled < len(buffer):
-        count = file.readinto(buffer[filled:])
+        count = file_ops.readinto(file, buffer[filled:])
         if not count:
             return False
         filled += count
@@ -249,14 +262,6 @@ def _read_header(file: io.FileIO, limits: CodecLimits) -> ChunkHeader:
     if header_len > len(head):
         head += _read_exact(file, header_len - len(head))
     return decode_header(head, limits)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -326,7 +331,7 @@ def _create_temp_file(job: _WriteJob) -> io.FileIO:
     job.directory.mkdir(exist_ok=True)
     if job.fsync:
         try:
-            _fsync_directory(job.directory.parent)
+            job.file_ops.fsync_directory(job.directory.parent)
         except BaseException:
             with contextlib.suppress(OSError):
                 job.directory.rmdir()  # so that the next put creates and fsyncs it again
@@ -368,7 +373,7 @@ def _write_chunk_file(job: _WriteJob) -> None:
     job.committed = True
     if job.fsync:
         try:
-            _fsync_directory(job.directory)
+            job.file_ops.fsync_directory(job.directory)
         except BaseException:
             # The rename may not survive a crash; do not report a chunk as stored.
             job.committed = False
@@ -396,6 +401,13 @@ class _ReadOutcome(enum.Enum):
     CORRUPT = "corrupt"
 
 
+_OUTCOMES = {
+    FrameCheck.OTHER_KEY: _ReadOutcome.KEY_MISMATCH,
+    FrameCheck.OTHER_LAYOUT: _ReadOutcome.LAYOUT_MISMATCH,
+    FrameCheck.CORRUPT: _ReadOutcome.CORRUPT,
+}
+
+
 def _read_chunk_file(
     path: Path,
     key_bytes: bytes,
@@ -405,6 +417,7 @@ def _read_chunk_file(
     limits: CodecLimits,
     abort: threading.Event,
     stamp_ns: int,
+    file_ops: FileOps,
 ) -> tuple[_ReadOutcome, str]:
     """Verify the header, read the payload straight into ``buffers``, verify the checksum."""
     _check_abort(abort)
@@ -418,28 +431,21 @@ def _read_chunk_file(
             header = _read_header(file, limits)
         except CodecError as exc:
             return _ReadOutcome.CORRUPT, f"bad header: {exc}"
-        if size != header.total_len:
-            return _ReadOutcome.CORRUPT, f"file is {size} bytes, header says {header.total_len}"
-        if header.key_bytes != key_bytes:
-            return _ReadOutcome.KEY_MISMATCH, "the file holds another key"
-        if header.num_tokens != num_tokens or header.groups != specs:
-            return _ReadOutcome.LAYOUT_MISMATCH, (
-                f"file has {header.num_tokens} tokens {header.groups}, "
-                f"wanted {num_tokens} tokens {specs}"
-            )
+        check, detail = check_frame_header(
+            header, key_bytes=key_bytes, num_tokens=num_tokens, groups=specs, frame_len=size
+        )
+        if check is not FrameCheck.OK:
+            return _OUTCOMES[check], detail
         state = xxhash.xxh3_64()
         for index, buffer in enumerate(buffers):
-            for piece in _slices(buffer, _READ_SLICE_BYTES):
+            for piece in _slices(buffer, file_ops.read_slice_bytes):
                 _check_abort(abort)
-                if not _readinto_exact(file, piece):
+                if not _readinto_exact(file, piece, file_ops):
                     return _ReadOutcome.CORRUPT, f"short read in group {index}"
                 state.update(piece)
-        computed = state.intdigest()
-        if computed != header.payload_checksum:
-            return _ReadOutcome.CORRUPT, (
-                f"payload checksum mismatch: header {header.payload_checksum:#018x}, "
-                f"data {computed:#018x}"
-            )
+        problem = check_payload_checksum(header, state.intdigest())
+        if problem is not None:
+            return _ReadOutcome.CORRUPT, problem
         # Recency survives a restart: the index is rebuilt in mtime order.
         with contextlib.suppress(OSError):
             os.utime(file.fileno(), ns=(stamp_ns, stamp_ns))
@@ -564,8 +570,9 @@ class _DirectoryLock:
     `ensure_held` runs in write threads, several at once; the other methods on the loop.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, file_ops: FileOps) -> None:
         self.path = root / LOCK_NAME
+        self._file_ops = file_ops
         self._fd: int | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the locked file
         self._mutex = threading.Lock()
@@ -629,7 +636,7 @@ class _DirectoryLock:
             if not root.is_dir():
                 root.mkdir(parents=True, exist_ok=True)
                 if fsync:
-                    _fsync_directory(root.parent)
+                    self._file_ops.fsync_directory(root.parent)
             try:
                 fd, identity = self._lock_new_file()
             except L2DirectoryInUseError:
@@ -647,23 +654,42 @@ class _DirectoryLock:
             os.close(fd)  # closing the only descriptor drops the flock
 
 
-_COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "put_failures",
-    "put_refused",
-    "bytes_written",
-    "bytes_read",
-    "evictions",
-    "corrupt_removed",
-    "layout_mismatch",
-    "read_failures",
-    "no_space_errors",  # writes that failed with ENOSPC or EDQUOT
-    "no_space_retries",  # writes tried again after evicting for room
-    "directory_recreated",  # the directory or its lock file was removed and made again
-    "touches",
-    "touch_failures",
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DiskStats(TierStats):
+    """`DiskTier.stats()`: occupancy, the effective capacity on a full disk, and counters."""
+
+    bytes_reserved: int = 0  # by writes in flight
+    effective_capacity: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    put_refused: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    corrupt_removed: int = 0
+    layout_mismatch: int = 0
+    read_failures: int = 0
+    no_space_errors: int = 0  # writes that failed with ENOSPC or EDQUOT
+    no_space_retries: int = 0  # writes tried again after evicting for room
+    directory_recreated: int = 0  # the directory or its lock file was removed and made again
+    touches: int = 0
+    touch_failures: int = 0
+    write_seconds: float = 0.0  # sum of per-write latencies
+    read_seconds: float = 0.0
+
+
+# What the tier counts as events (the rest of DiskStats is measured when asked).
+_COUNTERS = counter_fields(
+    DiskStats,
+    measured=(
+        *TIER_OCCUPANCY,
+        "bytes_reserved",
+        "effective_capacity",
+        "write_seconds",
+        "read_seconds",
+    ),
 )
 
 
@@ -695,7 +721,7 @@ class DiskTier(LowerTier):
         self.fsync = fsync
         self.limits = limits
         self.file_ops = file_ops
-        self._lock = _DirectoryLock(self.root)
+        self._lock = _DirectoryLock(self.root, file_ops)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
         self._bytes_used = 0
@@ -769,17 +795,17 @@ class DiskTier(LowerTier):
         """(key, num_tokens, file size) of every chunk, least recently used first."""
         return [(key, e.num_tokens, e.size) for key, e in self._index.items()]
 
-    def stats(self) -> dict[str, int | float]:
-        return {
-            "entries": len(self._index),
-            "bytes_used": self._bytes_used,
-            "bytes_reserved": self._reserved,
-            "capacity": self.capacity,
-            "effective_capacity": self._effective_capacity,
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            entries=len(self._index),
+            bytes_used=self._bytes_used,
+            capacity=self.capacity,
+            bytes_reserved=self._reserved,
+            effective_capacity=self._effective_capacity,
+            write_seconds=self._write_seconds,
+            read_seconds=self._read_seconds,
             **self._counters,
-            "write_seconds": self._write_seconds,
-            "read_seconds": self._read_seconds,
-        }
+        )
 
     def _stamp(self) -> int:
         """A file time for a chunk used now, later than every earlier one (ties would lose the
@@ -845,7 +871,7 @@ class DiskTier(LowerTier):
         if self._lock.lost:
             self._counters["put_failures"] += 1
             return False
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         key_bytes = key.to_bytes()
         size = encoded_header_len(len(key_bytes), specs) + sum(spec.nbytes for spec in specs)
         if size + self._reserved > self.capacity:
@@ -1005,7 +1031,7 @@ class DiskTier(LowerTier):
         if entry is None:
             self._counters["misses"] += 1
             return False
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         if entry.num_tokens != obj.num_tokens or entry.groups != specs:
             self._counters["layout_mismatch"] += 1
             self._counters["misses"] += 1
@@ -1021,6 +1047,7 @@ class DiskTier(LowerTier):
             self.limits,
             abort,
             self._stamp(),
+            self.file_ops,
         )
         started = time.perf_counter()
         try:

@@ -2,7 +2,7 @@
 
 Owns the codec glue (frames built from and verified into `MemoryObj` buffers), per-request
 timeouts, the local set of keys known to be remote (what `contains` answers from), and the
-counters. `remote_tier_from_config` picks the connector from ``EngineConfig.l3_url``.
+counters. `tiered_kv.tiers.factory` builds it from ``EngineConfig.l3_url``.
 
 Must not: raise into the serving path (every failure or timeout is a miss or a skipped store,
 logged and counted), keep `MemoryObj`s or change their reference counts, hand out bytes whose
@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
-import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tiered_kv.codec import (
     DEFAULT_LIMITS,
     CodecLimits,
+    FrameCheck,
+    GroupSpec,
+    check_frame_header,
+    check_payload_checksum,
     decode_header,
     encode_header,
     encoded_header_len,
@@ -34,8 +38,8 @@ from tiered_kv.codec import (
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
-from tiered_kv.tiers.base import LowerTier
-from tiered_kv.tiers.l2_disk import chunk_specs
+from tiered_kv.snapshot import counter_fields
+from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink, RemoteConnector
 
 if TYPE_CHECKING:
@@ -45,21 +49,35 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KNOWN_KEYS = 1 << 20
 
-_COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "put_failures",
-    "exists_calls",
-    "exists_keys",
-    "exists_failures",
-    "read_failures",
-    "timeouts",
-    "layout_mismatch",
-    "corrupt",
-    "corrupt_removed",
-    "bytes_written",
-    "bytes_read",
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteStats(TierStats):
+    """`RemoteTier.stats()`. No occupancy: the store is shared, and only it knows; ``known_keys``
+    is what `contains` answers from. ``client``: the connector's own counters."""
+
+    known_keys: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    exists_calls: int = 0
+    exists_keys: int = 0
+    exists_failures: int = 0
+    read_failures: int = 0
+    timeouts: int = 0
+    layout_mismatch: int = 0
+    corrupt: int = 0
+    corrupt_removed: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0  # sum of per-request latencies
+    read_seconds: float = 0.0
+    client: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
+
+
+# What the tier counts as events (the rest of RemoteStats is measured when asked).
+_COUNTERS = counter_fields(
+    RemoteStats, measured=(*TIER_OCCUPANCY, "known_keys", "write_seconds", "read_seconds", "client")
 )
 
 
@@ -142,13 +160,14 @@ class RemoteTier(LowerTier):
                 exc_info=True,
             )
 
-    def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {"known_keys": len(self._known), **self._counters}
-        out["write_seconds"] = self._write_seconds
-        out["read_seconds"] = self._read_seconds
-        for name, value in self.connector.stats().items():
-            out[f"client_{name}"] = value
-        return out
+    def stats(self) -> RemoteStats:
+        return RemoteStats(
+            known_keys=len(self._known),
+            write_seconds=self._write_seconds,
+            read_seconds=self._read_seconds,
+            client=dict(self.connector.stats()),
+            **self._counters,
+        )
 
     # -- data -------------------------------------------------------------------------------
     async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -175,7 +194,7 @@ class RemoteTier(LowerTier):
 
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
         self._check_open("put")
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         buffers = obj.group_buffers()
         key_bytes = key.to_bytes()
         started = time.perf_counter()
@@ -199,7 +218,7 @@ class RemoteTier(LowerTier):
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
         self._check_open("get_into")
-        specs = chunk_specs(obj)
+        specs = obj.group_specs()
         key_bytes = key.to_bytes()
         sink = FrameSink(bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers())
         started = time.perf_counter()
@@ -237,26 +256,25 @@ class RemoteTier(LowerTier):
         return True
 
     def _verify(
-        self, key_bytes: bytes, num_tokens: int, specs: object, sink: FrameSink
+        self, key_bytes: bytes, num_tokens: int, specs: tuple[GroupSpec, ...], sink: FrameSink
     ) -> str | None:
         """None when the frame is ours and intact; else "layout" or what is corrupt."""
         try:
             header = decode_header(sink.header, self.limits)
         except CodecError as exc:
             return f"bad header: {exc}"
-        if header.key_bytes != key_bytes:
-            return "the frame holds another key"
-        if header.num_tokens != num_tokens or header.groups != specs:
+        check, detail = check_frame_header(
+            header,
+            key_bytes=key_bytes,
+            num_tokens=num_tokens,
+            groups=specs,
+            frame_len=sink.total_len,
+        )
+        if check is FrameCheck.OTHER_LAYOUT:
             return "layout"
-        if header.header_len != len(sink.header):
-            return f"header is {header.header_len} bytes, expected {len(sink.header)}"
-        computed = sink.hasher.intdigest()
-        if computed != header.payload_checksum:
-            return (
-                f"payload checksum mismatch: header {header.payload_checksum:#018x}, "
-                f"data {computed:#018x}"
-            )
-        return None
+        if check is not FrameCheck.OK:  # another key under this key's name: corrupt here
+            return detail
+        return check_payload_checksum(header, sink.hasher.intdigest())
 
     async def _remove_corrupt(self, key: ChunkKey) -> None:
         self._forget(key)
@@ -295,21 +313,6 @@ def _name(key: ChunkKey | None) -> str:
 
 
 # -- configuration ------------------------------------------------------------------------------
-TKV_SCHEME = "tkv"
-
-
-def parse_tkv_url(url: str) -> tuple[str, int]:
-    """(host, port) of a ``tkv://host:port`` URL; `ConfigError` when malformed."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != TKV_SCHEME or not parts.hostname or port is None:
-        raise ConfigError(f"l3_url: expected tkv://host:port, got {url!r}")
-    return parts.hostname, port
-
-
 def read_token_file(path: str) -> bytes:
     """The token in ``path`` (one trailing newline dropped); `ConfigError` when unusable."""
     try:
@@ -322,32 +325,8 @@ def read_token_file(path: str) -> bytes:
     return token
 
 
-def remote_tier_from_config(config: EngineConfig) -> LowerTier:
-    """The L3 tier ``config.l3_url`` names: ``tkv://`` for the built-in server, ``redis://``,
-    ``rediss://``, ``valkey://`` (and ``+cluster`` forms, e.g. ``redis+cluster://``) for Redis."""
-    url = config.l3_url
-    if url is None:
-        raise ConfigError("l3_url: not set")
-    scheme = urllib.parse.urlsplit(url).scheme
-    token = None if config.l3_token_file is None else read_token_file(config.l3_token_file)
-    connector: RemoteConnector
-    if scheme == TKV_SCHEME:
-        from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
+def remote_tier_from_config(config: EngineConfig) -> RemoteTier:
+    """`tiered_kv.tiers.factory.remote_tier`, under the name callers used before the factory."""
+    from tiered_kv.tiers.factory import remote_tier  # the factory imports this module
 
-        host, port = parse_tkv_url(url)
-        options = ClientOptions(pool_size=config.l3_pool_size, timeout_s=config.l3_timeout_s)
-        connector = TkvConnector(RemoteClient(host, port, token=token, options=options))
-    else:
-        from tiered_kv.tiers.remote.redis import SCHEMES, RedisConnector
-
-        if scheme not in SCHEMES:
-            raise ConfigError(f"l3_url: unknown scheme {scheme!r}; use tkv, {', '.join(SCHEMES)}")
-        connector = RedisConnector(
-            url,
-            key_prefix=config.l3_key_prefix,
-            ttl_s=config.l3_ttl_s,
-            timeout_s=config.l3_timeout_s,
-            password=None if token is None else token.decode("utf-8", "replace"),
-            max_connections=max(config.l3_pool_size, 8),
-        )
-    return RemoteTier(connector, timeout_s=config.l3_timeout_s)
+    return remote_tier(config)

@@ -11,17 +11,33 @@ a chosen size, which fills up as a real one does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.tiers.base import LowerTier, TierStats
 from tiered_kv.tiers.l2_disk import FileOps
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryTierStats(TierStats):
+    puts: int = 0
+    gets: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FaultyTierStats(TierStats):
+    """The wrapped tier's statistics (``inner``, its occupancy repeated here) plus the faults."""
+
+    inner: TierStats
+    injected_failures: int = 0
+    max_active: int = 0
 
 
 class MemoryTier(LowerTier):
@@ -57,13 +73,13 @@ class MemoryTier(LowerTier):
     async def remove(self, key: ChunkKey) -> bool:
         return self._data.pop(key, None) is not None
 
-    def stats(self) -> Mapping[str, int | float]:
-        return {
-            "entries": len(self._data),
-            "bytes_used": sum(len(data) for _, _, data in self._data.values()),
-            "puts": self.puts,
-            "gets": self.gets,
-        }
+    def stats(self) -> MemoryTierStats:
+        return MemoryTierStats(
+            entries=len(self._data),
+            bytes_used=sum(len(data) for _, _, data in self._data.values()),
+            puts=self.puts,
+            gets=self.gets,
+        )
 
     async def aclose(self) -> None:
         self.closed = True
@@ -138,26 +154,28 @@ class FaultyTier(LowerTier):
         return await self.inner.contains_many(keys)
 
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        self._enter()
-        try:
-            if await self._inject(key, "put", self.put_failure_rate):
-                return False
-            return await self.inner.put(key, obj)
-        finally:
-            self.active -= 1
+        return await self._faulty("put", self.put_failure_rate, self.inner.put, key, obj)
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        self._enter()
-        try:
-            if await self._inject(key, "get", self.get_failure_rate):
-                return False
-            return await self.inner.get_into(key, obj)
-        finally:
-            self.active -= 1
+        return await self._faulty("get", self.get_failure_rate, self.inner.get_into, key, obj)
 
-    def _enter(self) -> None:
+    async def _faulty(
+        self,
+        op: str,
+        rate: float,
+        call: Callable[[ChunkKey, MemoryObj], Awaitable[bool]],
+        key: ChunkKey,
+        obj: MemoryObj,
+    ) -> bool:
+        """``call`` after the delay and gate, unless the seeded fault hits ``key``."""
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        try:
+            if await self._inject(key, op, rate):
+                return False
+            return await call(key, obj)
+        finally:
+            self.active -= 1
 
     async def touch(self, keys: Sequence[ChunkKey]) -> None:
         await self.inner.touch(keys)
@@ -165,12 +183,16 @@ class FaultyTier(LowerTier):
     async def remove(self, key: ChunkKey) -> bool:
         return await self.inner.remove(key)
 
-    def stats(self) -> Mapping[str, int | float]:
-        return {
-            **self.inner.stats(),
-            "injected_failures": self.injected_failures,
-            "max_active": self.max_active,
-        }
+    def stats(self) -> FaultyTierStats:
+        inner = self.inner.stats()
+        return FaultyTierStats(
+            entries=inner.entries,
+            bytes_used=inner.bytes_used,
+            capacity=inner.capacity,
+            inner=inner,
+            injected_failures=self.injected_failures,
+            max_active=self.max_active,
+        )
 
     async def aclose(self) -> None:
         await self.inner.aclose()

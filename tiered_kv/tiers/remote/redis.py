@@ -25,21 +25,10 @@ from typing import Any
 import redis.asyncio
 import redis.asyncio.cluster
 
+from tiered_kv.config import L3_SCHEMES, parse_l3_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.tiers.remote.connector import BytesLike, FetchStatus, FrameSink, RemoteConnector
-
-# URL schemes → (scheme redis-py understands, cluster mode).
-SCHEMES = {
-    "redis": ("redis", False),
-    "rediss": ("rediss", False),
-    "valkey": ("redis", False),
-    "valkeys": ("rediss", False),
-    "redis+cluster": ("redis", True),
-    "rediss+cluster": ("rediss", True),
-    "valkey+cluster": ("redis", True),
-    "valkeys+cluster": ("rediss", True),
-}
 
 
 def redis_key_name(prefix: str, key: ChunkKey) -> str:
@@ -57,7 +46,7 @@ def describe_url(url: str) -> str:
 
 
 class RedisConnector(RemoteConnector):
-    """Redis / Valkey at ``url`` (any scheme of `SCHEMES`).
+    """Redis / Valkey at ``url`` (a scheme of `tiered_kv.config.L3_SCHEMES` whose store is redis).
 
     ``password`` is used when the URL carries none (e.g. read from a token file). ``ttl_s``
     makes every stored chunk expire (None: keep until Redis evicts it under maxmemory).
@@ -73,12 +62,17 @@ class RedisConnector(RemoteConnector):
         password: str | None = None,
         max_connections: int = 16,
     ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in SCHEMES:
+        parsed = parse_l3_url(url)
+        if parsed.scheme.store != "redis":
+            redis_schemes = [name for name, s in L3_SCHEMES.items() if s.store == "redis"]
             raise ConfigError(
-                f"RedisConnector: scheme {parts.scheme!r} not one of {', '.join(SCHEMES)}"
+                f"RedisConnector: scheme {parsed.scheme_name!r} not one of "
+                f"{', '.join(redis_schemes)}"
             )
-        scheme, self.cluster = SCHEMES[parts.scheme]
+        self.cluster = parsed.scheme.cluster
+        parts = urllib.parse.urlsplit(url)
+        # redis-py knows redis:// and rediss:// only; valkey and +cluster forms map onto them.
+        scheme = "rediss" if parsed.scheme.tls else "redis"
         self._url = urllib.parse.urlunsplit((scheme, *parts[1:]))
         self.description = describe_url(url)
         self.key_prefix = key_prefix
@@ -120,15 +114,18 @@ class RedisConnector(RemoteConnector):
                 self._client = client
         return self._client
 
-    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    async def _per_key(self, command: str, keys: Sequence[ChunkKey]) -> list[bool]:
+        """``command`` (EXISTS, DEL) for each key in one pipeline; whether each answered > 0."""
         if not keys:
             return []
         client = await self._redis()
         pipe = client.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(self.name(key))
-        results = await pipe.execute()
-        return [bool(result) for result in results]
+            getattr(pipe, command)(self.name(key))
+        return [bool(result) for result in await pipe.execute()]
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return await self._per_key("exists", keys)
 
     async def put(self, key: ChunkKey, frame: Sequence[BytesLike], frame_len: int) -> None:
         value = bytearray(frame_len)
@@ -160,13 +157,7 @@ class RedisConnector(RemoteConnector):
         return FetchStatus.HIT
 
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not keys:
-            return []
-        client = await self._redis()
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.delete(self.name(key))
-        return [bool(result) for result in await pipe.execute()]
+        return await self._per_key("delete", keys)
 
     async def remote_stats(self) -> dict[str, int | float]:
         client = await self._redis()

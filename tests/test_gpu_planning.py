@@ -65,7 +65,7 @@ def test_block_rows_widen_narrow_contiguous_rows_only() -> None:
     assert _plan(wide).groups[0].block_rows is None
 
 
-def test_auto_path_uses_dma_only_for_long_contiguousruns() -> None:
+def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:
     small, _ = _layout("vllm_nhd")
     assert choose_path(small) == "staging"  # 16 tokens x 32 bytes: runs far too short
     medium, _ = _layout("vllm_nhd", num_heads=8, head_size=256, block_size=32, num_layers=1)
