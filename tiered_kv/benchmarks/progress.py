@@ -3,8 +3,22 @@ lines otherwise (CI logs), and detail lines printed above the bar. Never part of
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, TextIO
+
+
+_DEFAULT_SIZE = os.terminal_size((80, 24))
+
+
+def _reports_no_size(stream: TextIO) -> bool:
+    """A terminal whose size was never set (a bare pty: `script`, `docker exec -t`) reports
+    0 x 0, and tqdm then draws nothing at all."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+        return size.columns == 0 or size.lines == 0
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def print_line(line: str, file: TextIO | None = None) -> None:
@@ -37,7 +51,16 @@ class Progress:
         if stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, desc=label, file=stream, leave=True, unit="step")
+            unsized = _reports_no_size(stream)
+            self._bar = tqdm(
+                total=self.total,
+                desc=label,
+                file=stream,
+                leave=True,
+                unit="step",
+                ncols=_DEFAULT_SIZE.columns if unsized else None,
+                nrows=_DEFAULT_SIZE.lines if unsized else None,
+            )
 
     def advance(self, note: str = "") -> None:
         self.done += 1
@@ -50,7 +73,8 @@ class Progress:
         line = int(self.plain_lines * self.done / self.total)
         if line > self._last_line:
             self._last_line = line
-            self.stream.write(f"{self.label}: {self.done}/{self.total} {note}\n")
+            tail = f" {note}" if note else ""
+            self.stream.write(f"{self.label}: {self.done}/{self.total}{tail}\n")
             self.stream.flush()
 
     def write(self, line: str, file: TextIO | None = None) -> None:
