@@ -15,7 +15,6 @@ from tiered_kv.errors import TieredKVError
 
 T = TypeVar("T")
 
-PLOT_EXTRA = "pip install 'tiered-kv[bench]'"
 DEFAULT_OUT = Path("tiered-kv-bench")
 
 
@@ -47,8 +46,9 @@ def load_pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise BenchmarkUnavailable(
-            f"the plots need matplotlib ({exc}): {PLOT_EXTRA}, or pass --no-plot for the "
-            "table alone"
+            f"the plots need matplotlib, which does not import ({exc}); install the 'bench' "
+            "extra (pip install 'tiered-kv[bench]', or '.[bench]' in a clone), or pass "
+            "--no-plot for the table alone"
         ) from exc
     return plt
 

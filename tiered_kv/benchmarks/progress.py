@@ -7,7 +7,6 @@ import os
 import sys
 from typing import Any, TextIO
 
-
 _DEFAULT_SIZE = os.terminal_size((80, 24))
 
 
