@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_cli import run_cli
 from tiered_kv.benchmarks.progress import Progress
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,20 +24,6 @@ SMALL_WORKLOAD = (
     "--user-tokens", "256", "512", "--reply-tokens", "32", "64", "--l1-size", "1MiB",
     "--l2-read-delay-ms", "1",
 )  # fmt: skip
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiered_kv.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=env,
-        cwd=cwd,
-    )
 
 
 def png_size(path: Path) -> tuple[int, int]:

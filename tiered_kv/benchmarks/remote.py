@@ -184,28 +184,28 @@ async def put_get(
             raise RuntimeError(f"{label}: an operation failed")
         into.append(time.perf_counter() - started)
 
+    async def all_rounds(ops: list[Callable[[], Awaitable[bool]]], into: list[float]) -> float:
+        """Wall seconds of ``rounds`` rounds, each running ``ops`` (one per client) together."""
+        started = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*(timed(op, into) for op in ops))
+        return time.perf_counter() - started
+
     try:
         for index in range(clients):  # warm-up: connect, first allocation on the server
             await tiers[index].put(keys[index], sources[index])
         frame_bytes = int(tiers[0].stats()["bytes_written"])
-        started = time.perf_counter()
-        for _ in range(rounds):
-            await asyncio.gather(
-                *(
-                    timed(functools.partial(tiers[i].put, keys[i], sources[i]), put_times)
-                    for i in range(clients)
-                )
-            )
-        put_wall = time.perf_counter() - started
-        started = time.perf_counter()
-        for _ in range(rounds):
-            await asyncio.gather(
-                *(
-                    timed(functools.partial(tiers[i].get_into, keys[i], sinks[i]), get_times)
-                    for i in range(clients)
-                )
-            )
-        get_wall = time.perf_counter() - started
+        put_wall = await all_rounds(
+            [functools.partial(t.put, k, o) for t, k, o in zip(tiers, keys, sources, strict=True)],
+            put_times,
+        )
+        get_wall = await all_rounds(
+            [
+                functools.partial(t.get_into, k, o)
+                for t, k, o in zip(tiers, keys, sinks, strict=True)
+            ],
+            get_times,
+        )
         for source, sink in zip(sources, sinks, strict=True):
             if not torch.equal(source.raw(), sink.raw()):
                 raise RuntimeError(f"{label}: a GET returned other bytes than were PUT")
