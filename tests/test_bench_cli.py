@@ -179,3 +179,27 @@ def test_progress_detail_lines_print_above_the_bar(tmp_path: Path) -> None:
     plain.advance()
     plain.stream.close()
     assert (tmp_path / "log").read_text() == "a detail line\nbench: 1/2\n"
+
+
+def test_transfer_plot_draws_every_measured_row_without_a_gpu(tmp_path: Path) -> None:
+    # The plotting half of `bench transfer` needs no device: rows as bench_case returns them
+    # (a row with an error and a baseline with only some figures among them).
+    from tiered_kv.benchmarks import transfer
+    from tiered_kv.benchmarks.common import load_pyplot
+
+    ceilings = {"d2h": 55.0, "h2d": 55.0, "both": 100.0, "d2d": 4000.0}
+    rows = [
+        {
+            "case": "llama_nhd",
+            "path": "staging",
+            "store_32": 54.0,
+            "retrieve_32": 53.0,
+            "both": 97.0,
+        },
+        {"case": "llama_nhd", "path": "mapped", "error": "CUDA_ERROR_OUT_OF_MEMORY"},
+        {"case": "llama_nhd", "path": "naive torch", "store_32": 16.0},
+    ]
+    png = tmp_path / "plots" / "transfer.png"
+    transfer.plot(load_pyplot(), ceilings, rows, 32, png)
+    width, height = png_size(png)
+    assert width > 300 and height > 200
