@@ -45,6 +45,7 @@ import torch
 import xxhash
 
 from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.benchmarks.progress import Progress, print_line
 from tiered_kv.codec import encoded_header_len
 from tiered_kv.engine import new_event_loop
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
@@ -68,7 +69,7 @@ PROFILE_CALLS = 20
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print_line(message, sys.stderr)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -787,9 +788,13 @@ def print_table(rows: Sequence[Row]) -> None:
 
 async def run(params: Params, workdir: Path, results: dict[str, Any], profile: bool) -> list[Row]:
     rows: list[Row] = []
+    progress = Progress(3, "core", plain_lines=3)
     await bench_lookup(params, rows, results)
+    progress.advance("lookup")
     await bench_l2(params, workdir, rows, results)
+    progress.advance("L2")
     await bench_overhead(params, rows, results, profile)
+    progress.advance("CPU overhead")
     return rows
 
 

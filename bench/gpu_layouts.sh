@@ -13,5 +13,6 @@ python3 -m pytest -q -p no:cacheprovider -m gpu --hypothesis-show-statistics "$@
     tests/test_layout_readings.py tests/test_cuda_mover.py tests/test_cuda_reference.py \
     tests/test_kernels.py tests/test_roundtrip.py > "$OUT/pytest-gpu.log" 2>&1
 grep -E "passing|%|FAILED|Error|passed|failed" "$OUT/pytest-gpu.log" | tail -30
-python3 bench/transfer.py --quick --cases llama_nhd,llama_hnd,blocks \
+# --no-plot: the device machine may lack matplotlib (the 'bench' extra); the JSON has every figure.
+python3 bench/transfer.py --quick --no-plot --cases llama_nhd,llama_hnd,blocks \
     --json "$OUT/transfer-layouts.json" 2>&1 | tee "$OUT/transfer.log" | tail -14

@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.engine import new_event_loop
 
 IDLE_S = 0.020
@@ -105,6 +106,7 @@ async def main(rounds: int, prewake_us: float) -> None:
     results: dict[str, list[float]] = {"thread": [], "thread+prewake": [], "timerfd": []}
     work: dict[str, list[float]] = {"warm": [], "after thread+prewake wake": []}
     fd = _libc.timerfd_create(time.CLOCK_MONOTONIC, 0)
+    progress = Progress(rounds, "wakeup")
     for _ in range(rounds):
         results["thread"].append(await via_thread(0.0))
         results["thread+prewake"].append(await via_thread(prewake_us * 1e-6))
@@ -113,6 +115,7 @@ async def main(rounds: int, prewake_us: float) -> None:
         work["warm"].append(workload())
         if fd >= 0:
             results["timerfd"].append(await via_timerfd(fd))
+        progress.advance()
     for name, values in work.items():
         print(f"workload {name:<26} median {1e6 * statistics.median(values):6.0f} us", flush=True)
     for name, values in results.items():

@@ -1,4 +1,4 @@
-"""`tiered-kv` command line: `demo` (the main job) and `inspect DIR`."""
+"""`tiered-kv` command line: `demo` (the main job), `bench NAME`, `serve` and `inspect DIR`."""
 
 from __future__ import annotations
 
@@ -11,43 +11,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
+from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.config import EngineConfig, format_size
 from tiered_kv.engine import TieredKVEngine, new_event_loop
 from tiered_kv.keys import ChunkKey
-
-
-class Progress:
-    """A live progress bar (tqdm) on a terminal; a few plain lines otherwise (CI logs)."""
-
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.stream = stream
-        self.done = 0
-        self._last_quarter = -1
-        self._bar: Any = None
-        if stream.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=self.total, desc=label, file=stream, leave=True, unit="step")
-
-    def advance(self, note: str = "") -> None:
-        self.done += 1
-        if self._bar is not None:
-            self._bar.set_postfix_str(note, refresh=False)
-            self._bar.update(1)
-            if self.done >= self.total:
-                self._bar.close()
-            return
-        quarter = int(4 * self.done / self.total)
-        if quarter > self._last_quarter:
-            self._last_quarter = quarter
-            self.stream.write(f"{self.label}: {self.done}/{self.total} {note}\n")
-            self.stream.flush()
 
 
 # -- demo ---------------------------------------------------------------------------------------
@@ -382,6 +353,13 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench --------------------------------------------------------------------------------------
+def run_bench(args: argparse.Namespace) -> int:
+    from tiered_kv.benchmarks import run_benchmark
+
+    return run_benchmark(args.name, args.args, prog=f"tiered-kv bench {args.name}")
+
+
 # -- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiered-kv", description=__doc__)
@@ -396,6 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--l2-dir", default=None, help="default: a temporary directory")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--cpu", action="store_true", help="use CPU tensors even with a GPU")
+    from tiered_kv.benchmarks import BENCHMARKS
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark shipped with the package (table + PNG plots)",
+        description="Run a benchmark on embedded defaults; it measures this machine's ceilings "
+        "in the same run, prints a table last and writes PNG plots (the 'bench' extra: "
+        "matplotlib; --no-plot for the table alone). Options after NAME go to the benchmark: "
+        "`tiered-kv bench workload --help`. Benchmarks: "
+        + "; ".join(f"{name}: {text}" for name, text in BENCHMARKS.items()),
+    )
+    bench.add_argument("name", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the benchmark")
     inspect = sub.add_parser("inspect", help="list the chunks an L2 directory holds")
     inspect.add_argument("directory")
     serve = sub.add_parser("serve", help="run the built-in remote cache server (tkv://)")
@@ -446,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return loop.run_until_complete(run_demo(args))
         finally:
             loop.close()
+    if args.command == "bench":
+        return run_bench(args)
     if args.command == "inspect":
         return run_inspect(args)
     if args.command == "serve":

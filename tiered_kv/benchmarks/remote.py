@@ -1,0 +1,373 @@
+"""Remote-tier (L3) benchmark on loopback, with the socket ceiling measured in the same run.
+
+Measures, in one run:
+1. The raw ceiling: a plain sender / receiver pair of processes moving 32 MiB messages over a
+   loopback TCP socket (blocking sendall / recv_into a preallocated buffer, a 1-byte ack per
+   message, so it is paced like a request / response); best of three batches.
+2. Our server (``tiered-kv serve`` in its own process) through `RemoteTier`: PUT (checksum,
+   frame, send) and GET (receive straight into the L1 buffer, verify) of 32 MiB chunks, one
+   client and 8 concurrent clients (each its own tier and connection); GB/s, p50 / p99 latency.
+3. The same through redis-server (own process) and `RedisConnector`.
+4. ``contains_many`` of 512 keys (one round trip) against both.
+
+Usage: ``tiered-kv bench remote [--quick] [--out DIR] [--no-plot]`` (or ``python
+bench/remote.py`` in a clone). Details go to stderr; the table of ratios is printed last on
+stdout; ``DIR/remote.png`` (needs the ``bench`` extra: matplotlib) plots PUT and GET GB/s against
+the raw socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered_kv.benchmarks.common import (
+    DEFAULT_OUT,
+    bar_chart,
+    load_pyplot,
+    percentile,
+    run_on_engine_loop,
+)
+from tiered_kv.benchmarks.progress import Progress, print_line
+from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
+from tiered_kv.layout import MemoryLayoutDesc, build_layout
+from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.tiers.l3_remote import RemoteTier
+from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
+from tiered_kv.tiers.remote.redis import RedisConnector
+
+MiB = 1 << 20
+CHUNK_TOKENS = 256
+LAYERS = 32  # 32 layers x 256 tokens x 8 heads x 128 x bf16 x K/V = 32 MiB per chunk
+
+
+def log(message: str) -> None:
+    print_line(message, sys.stderr)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+@contextlib.contextmanager
+def process(args: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- 1. raw socket ceiling ----------------------------------------------------------------------
+RECEIVER = """
+import socket, sys
+size = int(sys.argv[2])
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", int(sys.argv[1])))
+listener.listen(16)
+buffer = memoryview(bytearray(size))
+while True:
+    conn, _ = listener.accept()
+    with conn:
+        while True:
+            filled = 0
+            while filled < size:
+                n = conn.recv_into(buffer[filled:])
+                if not n:
+                    break
+                filled += n
+            if filled < size:
+                break
+            conn.sendall(b"k")
+"""
+
+
+def raw_ceiling(size: int, count: int) -> tuple[float, list[float]]:
+    port = free_port()
+    payload = memoryview(os.urandom(size))
+    receiver = [sys.executable, "-c", RECEIVER, str(port), str(size)]
+    with process(receiver, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(payload)  # warm-up
+        sock.recv(1)
+        best, best_times = 0.0, []
+        for _ in range(3):  # best of three batches: the VM's loopback speed wanders
+            times = []
+            for _ in range(count):
+                started = time.perf_counter()
+                sock.sendall(payload)
+                if sock.recv(1) != b"k":
+                    raise RuntimeError("receiver went away")
+                times.append(time.perf_counter() - started)
+            gbps = size * count / sum(times) / 1e9
+            if gbps > best:
+                best, best_times = gbps, times
+    return best, best_times
+
+
+# -- chunk objects ------------------------------------------------------------------------------
+def chunk_layout() -> MemoryLayoutDesc:
+    caches = [torch.empty(2, 16, 16, 8, 128, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    return build_layout(
+        caches, chunk_size=CHUNK_TOKENS, layout_hints={"block_size": 16, "kv_layout": "NHD"}
+    ).layout_desc
+
+
+def filled_obj(arena: HostArena, layout: MemoryLayoutDesc, seed: int) -> MemoryObj:
+    obj = empty_obj(arena, layout)
+    gen = torch.Generator().manual_seed(seed)
+    obj.raw().copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    return obj
+
+
+def empty_obj(arena: HostArena, layout: MemoryLayoutDesc) -> MemoryObj:
+    obj = arena.allocate_obj(layout, CHUNK_TOKENS)
+    if obj is None:
+        raise RuntimeError("arena too small")
+    return obj
+
+
+# -- 2/3. a tier under load ---------------------------------------------------------------------
+async def put_get(
+    make_tier: Callable[[], RemoteTier],
+    layout: MemoryLayoutDesc,
+    arena: HostArena,
+    clients: int,
+    rounds: int,
+    label: str,
+) -> dict[str, float]:
+    scope = KeyScope("bench", "m", "", 1, 0, layout.layout_id)
+    tiers = [make_tier() for _ in range(clients)]
+    for tier in tiers:
+        await tier.open()
+    sources = [filled_obj(arena, layout, seed) for seed in range(clients)]
+    sinks = [empty_obj(arena, layout) for _ in range(clients)]
+    keys = [chunk_keys(scope, [i] * CHUNK_TOKENS, CHUNK_TOKENS)[0] for i in range(clients)]
+    put_times: list[float] = []
+    get_times: list[float] = []
+    frame_bytes = 0
+
+    async def timed(op: Callable[[], Awaitable[bool]], into: list[float]) -> None:
+        started = time.perf_counter()
+        if not await op():
+            raise RuntimeError(f"{label}: an operation failed")
+        into.append(time.perf_counter() - started)
+
+    async def all_rounds(ops: list[Callable[[], Awaitable[bool]]], into: list[float]) -> float:
+        """Wall seconds of ``rounds`` rounds, each running ``ops`` (one per client) together."""
+        started = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*(timed(op, into) for op in ops))
+        return time.perf_counter() - started
+
+    try:
+        for index in range(clients):  # warm-up: connect, first allocation on the server
+            await tiers[index].put(keys[index], sources[index])
+        frame_bytes = int(tiers[0].stats()["bytes_written"])
+        put_wall = await all_rounds(
+            [functools.partial(t.put, k, o) for t, k, o in zip(tiers, keys, sources, strict=True)],
+            put_times,
+        )
+        get_wall = await all_rounds(
+            [
+                functools.partial(t.get_into, k, o)
+                for t, k, o in zip(tiers, keys, sinks, strict=True)
+            ],
+            get_times,
+        )
+        for source, sink in zip(sources, sinks, strict=True):
+            if not torch.equal(source.raw(), sink.raw()):
+                raise RuntimeError(f"{label}: a GET returned other bytes than were PUT")
+    finally:
+        for tier in tiers:
+            await tier.aclose()
+        for obj in (*sources, *sinks):
+            obj.unref()
+    moved = frame_bytes * clients * rounds
+    result = {
+        "put_gbps": moved / put_wall / 1e9,
+        "get_gbps": moved / get_wall / 1e9,
+        "put_p50_ms": percentile(put_times, 0.5) * 1e3,
+        "put_p99_ms": percentile(put_times, 0.99) * 1e3,
+        "get_p50_ms": percentile(get_times, 0.5) * 1e3,
+        "get_p99_ms": percentile(get_times, 0.99) * 1e3,
+    }
+    log(
+        f"{label} x{clients}: PUT {result['put_gbps']:.2f} GB/s "
+        f"(p50 {result['put_p50_ms']:.1f} ms, p99 {result['put_p99_ms']:.1f} ms), "
+        f"GET {result['get_gbps']:.2f} GB/s "
+        f"(p50 {result['get_p50_ms']:.1f} ms, p99 {result['get_p99_ms']:.1f} ms)"
+    )
+    return result
+
+
+async def exists_latency(make_tier: Callable[[], RemoteTier], rounds: int, label: str) -> float:
+    tier = make_tier()
+    await tier.open()
+    try:
+        keys: list[ChunkKey] = chunk_keys(
+            KeyScope("bench", "m", "", 1, 0, "x"), list(range(512 * 16)), 16
+        )
+        await tier.contains_many(keys)
+        times = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            flags = await tier.contains_many(keys)
+            times.append(time.perf_counter() - started)
+            if len(flags) != 512 or tier.stats()["exists_failures"]:
+                raise RuntimeError(f"{label}: EXISTS failed")
+    finally:
+        await tier.aclose()
+    p50, p99 = percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3
+    log(f"{label}: EXISTS of 512 keys p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+    return p50
+
+
+async def run(args: argparse.Namespace, plt: Any) -> int:
+    rounds = 4 if args.quick else 12
+    size = 32 * MiB
+    layout = chunk_layout()
+    has_redis = shutil.which("redis-server") is not None
+    progress = Progress(7 if has_redis else 4, "remote", plain_lines=7)
+    log(f"chunk: {layout.nbytes(CHUNK_TOKENS)} bytes of KV; {os.cpu_count()} CPUs")
+    raw_gbps, raw_times = raw_ceiling(size, 8 if args.quick else 24)
+    progress.advance("raw socket ceiling measured")
+    log(
+        f"raw socket: {raw_gbps:.2f} GB/s, p50 {percentile(raw_times, 0.5) * 1e3:.1f} ms per 32 MiB"
+    )
+    arena = HostArena(24 * 32 * MiB + 64 * MiB, pin=False)
+    results: dict[str, dict[str, float]] = {}
+    exists: dict[str, float] = {}
+    try:
+        tkv_port = free_port()
+        serve = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(tkv_port)]
+        with process([*serve, "--capacity", "2GiB"], tkv_port):
+
+            def tkv_tier() -> RemoteTier:
+                options = ClientOptions(pool_size=1, timeout_s=60)
+                client = RemoteClient("127.0.0.1", tkv_port, options=options)
+                return RemoteTier(TkvConnector(client), timeout_s=60)
+
+            for clients in (1, 8):
+                results[f"tkv x{clients}"] = await put_get(
+                    tkv_tier, layout, arena, clients, rounds, "tkv"
+                )
+                progress.advance(f"tkv x{clients}")
+            exists["tkv"] = await exists_latency(tkv_tier, 50 if args.quick else 200, "tkv")
+            progress.advance("tkv EXISTS")
+        if not has_redis:
+            log("redis-server not found: skipping the Redis rows")
+        else:
+            redis_port = free_port()
+            with tempfile.TemporaryDirectory() as directory:
+                redis_args = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1"]
+                redis_args += ["--save", "", "--appendonly", "no", "--dir", directory]
+                redis_args += ["--proto-max-bulk-len", "1gb"]
+                with process(redis_args, redis_port):
+                    url = f"redis://127.0.0.1:{redis_port}/0"
+
+                    def redis_tier() -> RemoteTier:
+                        connector = RedisConnector(url, timeout_s=60, max_connections=2)
+                        return RemoteTier(connector, timeout_s=60)
+
+                    for clients in (1, 8):
+                        results[f"redis x{clients}"] = await put_get(
+                            redis_tier, layout, arena, clients, rounds, "redis"
+                        )
+                        progress.advance(f"redis x{clients}")
+                    exists["redis"] = await exists_latency(
+                        redis_tier, 50 if args.quick else 200, "redis"
+                    )
+                    progress.advance("redis EXISTS")
+    finally:
+        progress.close()
+        leaked = arena.close()
+        if leaked:
+            log(f"warning: {leaked} arena bytes still referenced")
+
+    if plt is not None:
+        png = args.out / "remote.png"
+        bar_chart(
+            plt,
+            png,
+            f"loopback, 32 MiB chunks, {os.cpu_count()} CPUs; raw socket measured in the same run",
+            list(results),
+            {
+                "PUT": [row["put_gbps"] for row in results.values()],
+                "GET": [row["get_gbps"] for row in results.values()],
+            },
+            "GB/s",
+            reference=(raw_gbps, f"raw socket {raw_gbps:.2f} GB/s"),
+        )
+        print(f"plot: {png}")
+    print(f"\nloopback, 32 MiB chunks, {os.cpu_count()} CPUs; raw socket {raw_gbps:.2f} GB/s")
+    print(f"{'path':<12}{'PUT GB/s':>10}{'p50/p99 ms':>16}{'GET GB/s':>10}{'p50/p99 ms':>16}")
+    for name, row in results.items():
+        print(
+            f"{name:<12}{row['put_gbps']:>10.2f}"
+            f"{row['put_p50_ms']:>8.1f}/{row['put_p99_ms']:<7.1f}"
+            f"{row['get_gbps']:>10.2f}"
+            f"{row['get_p50_ms']:>8.1f}/{row['get_p99_ms']:<7.1f}"
+        )
+    for name, p50 in exists.items():
+        print(f"EXISTS x512 {name}: p50 {p50:.3f} ms")
+    print("\nratios (target)")
+    for clients in (1, 8):
+        ours = results[f"tkv x{clients}"]
+        print(f"  tkv x{clients} PUT / raw socket   {ours['put_gbps'] / raw_gbps:6.2f}  (>= 0.70)")
+        print(f"  tkv x{clients} GET / raw socket   {ours['get_gbps'] / raw_gbps:6.2f}  (>= 0.70)")
+        theirs = results.get(f"redis x{clients}")
+        if theirs is not None:
+            put_ratio = ours["put_gbps"] / theirs["put_gbps"]
+            get_ratio = ours["get_gbps"] / theirs["get_gbps"]
+            print(f"  tkv x{clients} PUT / redis        {put_ratio:6.2f}  (>= 2)")
+            print(f"  tkv x{clients} GET / redis        {get_ratio:6.2f}  (>= 2)")
+    print(f"  tkv EXISTS x512 p50 ms        {exists['tkv']:6.3f}  (< 2)")
+    return 0
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="where the plot goes (%(default)s)"
+    )
+    parser.add_argument("--no-plot", action="store_true", help="the table alone (no matplotlib)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    plt = None if args.no_plot else load_pyplot()
+    return run_on_engine_loop(run(args, plt))
