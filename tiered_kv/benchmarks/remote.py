@@ -194,7 +194,7 @@ async def put_get(
     try:
         for index in range(clients):  # warm-up: connect, first allocation on the server
             await tiers[index].put(keys[index], sources[index])
-        frame_bytes = int(tiers[0].stats()["bytes_written"])
+        frame_bytes = tiers[0].stats().bytes_written
         put_wall = await all_rounds(
             [functools.partial(t.put, k, o) for t, k, o in zip(tiers, keys, sources, strict=True)],
             put_times,
@@ -245,7 +245,7 @@ async def exists_latency(make_tier: Callable[[], RemoteTier], rounds: int, label
             started = time.perf_counter()
             flags = await tier.contains_many(keys)
             times.append(time.perf_counter() - started)
-            if len(flags) != 512 or tier.stats()["exists_failures"]:
+            if len(flags) != 512 or tier.stats().exists_failures:
                 raise RuntimeError(f"{label}: EXISTS failed")
     finally:
         await tier.aclose()
