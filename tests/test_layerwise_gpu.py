@@ -31,7 +31,8 @@ pytestmark = pytest.mark.gpu
 
 CHUNK = 32
 BLOCK = 16
-SLEEP_CYCLES = 400_000_000  # about 0.2 s at Hopper clocks
+SLEEP_CYCLES = 400_000_000  # about 0.2 s at Hopper clocks (measured 0.20 s on an H100)
+SLEEP_MS = 150  # the least that sleep takes on any clock up to 2.6 GHz
 
 
 def _layout(entries: Any, hints: Any) -> KVCacheLayout:
@@ -195,22 +196,28 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
         src_index = torch.tensor(src, device="cuda")
         dst_index = torch.tensor(dst, device="cuda")
         waiting, early = torch.cuda.Stream(), torch.cuda.Stream()
-        # Allocated up front: an allocation after the load starts may synchronize the device.
         early_copy = torch.empty_like(caches.physical[1][:, dst_index])
         waited_copy = torch.empty_like(early_copy)
+        early_done = torch.cuda.Event(enable_timing=True)
+        waited_done = torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         load.wait_layer(1, early)
-        with torch.cuda.stream(early):
-            torch.index_select(caches.physical[1], 1, dst_index, out=early_copy)
+        with torch.cuda.stream(early):  # views and copy_ only: nothing allocates (and syncs)
+            for i, block in enumerate(dst):
+                early_copy[:, i].copy_(caches.physical[1][:, block])
+            early_done.record()
         load.wait_layer(2, waiting)
         with torch.cuda.stream(waiting):
-            torch.index_select(caches.physical[2], 1, dst_index, out=waited_copy)
-        early.synchronize()  # layer 1 is released while the delayed layer 2 is not
-        assert not waiting.query(), "the stream waiting for the delayed layer 2 ran ahead"
-        assert not load.done()
-        waiting.synchronize()
+            for i, block in enumerate(dst):
+                waited_copy[:, i].copy_(caches.physical[2][:, block])
+            waited_done.record()
+        torch.cuda.synchronize()
         await load.wait()
+        # GPU timestamps (host-side syncs cannot blur them): layer 1's reader ran before the
+        # delay, layer 2's reader only after it.
+        gap_ms = early_done.elapsed_time(waited_done)
+        assert gap_ms > SLEEP_MS / 2, f"layer 2's reader ran {gap_ms:.1f} ms after layer 1's"
         for layer, copy in ((1, early_copy), (2, waited_copy)):
             want = reference[layer][0][:, src_index]
             assert torch.equal(copy.view(torch.uint8), want.view(torch.uint8)), layer
