@@ -56,32 +56,14 @@ class Direction:
 
 
 def copy_runs(runs: Sequence[tuple[int, int, int]], stream: object) -> None:
-    """Enqueue (destination, source, bytes) copies on ``stream``: one `cuMemcpyAsync`, or one
-    batched call for several (a layer-major fill has one run per chunk: dozens of calls'
-    worth of host time saved per fill)."""
+    """Enqueue (destination, source, bytes) copies on ``stream``, one `cuMemcpyAsync` each.
+    (One `cuMemcpyBatchAsync` per fill was tried: on an H100 with driver 13 it held the host
+    until the stream's earlier work was done, which serialized a layerwise load with the
+    model's reads of its first layers.)"""
     from cuda.bindings import driver
 
-    if len(runs) == 1:
-        dst, src, nbytes = runs[0]
+    for dst, src, nbytes in runs:
         check_driver(driver.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
-        return
-    if not runs:
-        return
-    attrs = driver.CUmemcpyAttributes()
-    attrs.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    check_driver(
-        driver.cuMemcpyBatchAsync(
-            [driver.CUdeviceptr(dst) for dst, _, _ in runs],
-            [driver.CUdeviceptr(src) for _, src, _ in runs],
-            [nbytes for _, _, nbytes in runs],
-            len(runs),
-            [attrs],
-            [0],
-            1,
-            stream,
-        ),
-        "cuMemcpyBatchAsync",
-    )
 
 
 def enqueue_fill(
