@@ -11,6 +11,7 @@ mover, and a layerwise store round-trips.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
+from tiered_kv.gpu.events import CudaLayerLoad
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
 from tiered_kv.gpu.plan import GroupPlan
 from tiered_kv.gpu.reference import TorchMover
@@ -152,6 +154,10 @@ class DelayedLayerMover(CudaMover):
 
     delayed_layer = 2
 
+    def __init__(self, options: MoverOptions) -> None:
+        super().__init__(options)
+        self.sleep_end = torch.cuda.Event(enable_timing=True)
+
     def _launch_jobs(
         self,
         state: Any,
@@ -167,6 +173,7 @@ class DelayedLayerMover(CudaMover):
         if not to_host and any(job[4] == self.delayed_layer for job in jobs):
             with torch.cuda.stream(side.kernel_stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
+                self.sleep_end.record()
         super()._launch_jobs(
             state,
             group,
@@ -195,29 +202,28 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
         poison_blocks(caches, dst)
         src_index = torch.tensor(src, device="cuda")
         dst_index = torch.tensor(dst, device="cuda")
-        waiting, early = torch.cuda.Stream(), torch.cuda.Stream()
-        early_copy = torch.empty_like(caches.physical[1][:, dst_index])
-        waited_copy = torch.empty_like(early_copy)
-        early_done = torch.cuda.Event(enable_timing=True)
-        waited_done = torch.cuda.Event(enable_timing=True)
+        waiting = torch.cuda.Stream()
+        waited_copy = torch.empty_like(caches.physical[2][:, dst_index])
+        reader_started = torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
-        load.wait_layer(1, early)
-        with torch.cuda.stream(early):  # views and copy_ only: nothing allocates (and syncs)
-            for i, block in enumerate(dst):
-                early_copy[:, i].copy_(caches.physical[1][:, block])
-            early_done.record()
         load.wait_layer(2, waiting)
-        with torch.cuda.stream(waiting):
+        with torch.cuda.stream(waiting):  # views and copy_ only: nothing allocates (and syncs)
+            reader_started.record()
             for i, block in enumerate(dst):
                 waited_copy[:, i].copy_(caches.physical[2][:, block])
-            waited_done.record()
+        # Earlier layers are released before the delayed one: their events complete first.
+        assert isinstance(load, CudaLayerLoad)
+        load.events[1].synchronize()
+        released = time.perf_counter()
+        load.events[2].synchronize()
+        held_ms = (time.perf_counter() - released) * 1e3
+        assert held_ms > SLEEP_MS / 2, f"layer 2 landed {held_ms:.1f} ms after layer 1"
         torch.cuda.synchronize()
         await load.wait()
-        # GPU timestamps (host-side syncs cannot blur them): layer 1's reader ran before the
-        # delay, layer 2's reader only after it.
-        gap_ms = early_done.elapsed_time(waited_done)
-        assert gap_ms > SLEEP_MS / 2, f"layer 2's reader ran {gap_ms:.1f} ms after layer 1's"
+        # The reader of layer 2 started only once the delayed copy's sleep was over.
+        assert mover.sleep_end.elapsed_time(reader_started) >= 0
+        early_copy = caches.physical[1][:, dst_index]
         for layer, copy in ((1, early_copy), (2, waited_copy)):
             want = reference[layer][0][:, src_index]
             assert torch.equal(copy.view(torch.uint8), want.view(torch.uint8)), layer
