@@ -403,3 +403,12 @@ def test_from_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> Non
     config = EngineConfig.from_env()
     assert config.chunk_size == 48
     assert config.l1_size == 3 * MiB
+
+
+def test_layerwise_is_auto_by_default_and_read_from_the_environment() -> None:
+    assert EngineConfig().layerwise is None
+    assert EngineConfig.from_env({"TIERED_KV_LAYERWISE": "off"}).layerwise is False
+    assert EngineConfig.from_env({"TIERED_KV_LAYERWISE": "on"}).layerwise is True
+    assert EngineConfig.from_env({"TIERED_KV_LAYERWISE": "auto"}).layerwise is None
+    with pytest.raises(ConfigError, match="layerwise"):
+        EngineConfig(layerwise="yes")  # type: ignore[arg-type]

@@ -131,6 +131,9 @@ class EngineConfig:
         ``selective_min_hits`` hits).
     write_policies: per-tier overrides, e.g. "L2=write_back,L3=selective".
     selective_min_hits: hits a chunk needs before a "selective" tier stores it.
+    layerwise: integrations (the vLLM connector) load and store layer by layer, overlapping
+        the model (docs/layerwise.md); None means "for CUDA caches" (on the CPU a layer's wait
+        blocks the model's thread, so whole loads are as fast there).
     """
 
     chunk_size: int = 256
@@ -161,6 +164,7 @@ class EngineConfig:
     write_policy: str = "write_through"
     write_policies: str = ""
     selective_min_hits: int = 2
+    layerwise: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
@@ -229,6 +233,8 @@ class EngineConfig:
             raise ConfigError(f"prefetch_l1_fraction: expected a number, got {fraction!r}")
         if not 0 < fraction <= 1:
             raise ConfigError(f"prefetch_l1_fraction: must be in (0, 1], got {fraction}")
+        if self.layerwise is not None and not isinstance(self.layerwise, bool):
+            raise ConfigError(f"layerwise: expected true, false or None, got {self.layerwise!r}")
         if not isinstance(self.prefetch, bool):
             raise ConfigError(f"prefetch: expected bool, got {self.prefetch!r}")
         if self.write_policy not in WRITE_POLICIES:
@@ -402,9 +408,9 @@ def _from_env_string(name: str, raw: str) -> Any:
             return float(raw)
         except ValueError:
             raise ConfigError(f"TIERED_KV_{name.upper()}: expected a number, got {raw!r}") from None
-    if name in ("pin_memory", "l2_fsync", "prefetch"):
+    if name in ("pin_memory", "l2_fsync", "prefetch", "layerwise"):
         lowered = raw.strip().lower()
-        if lowered in ("", "auto") and name == "pin_memory":
+        if lowered in ("", "auto") and name in ("pin_memory", "layerwise"):
             return None
         if lowered in ("1", "true", "yes", "on"):
             return True
