@@ -23,6 +23,7 @@ from tiered_kv.integrations.lookup_channel import LookupServer
 from tiered_kv.keys import TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
+from tiered_kv.tiers.base import LowerTier
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,12 @@ class EngineHost(SyncTieredKVEngine):
     lookup path runs on the loop. Prefetch handles never leave the loop.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, lower_tiers: Sequence[LowerTier] = ()) -> None:
         self.counters = HostCounters()
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._server: LookupServer | None = None
         self._model_name: str | None = None
-        super().__init__(config)
+        super().__init__(config, lower_tiers=lower_tiers)
 
     def register_kv_caches(
         self,
