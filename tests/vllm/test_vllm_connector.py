@@ -44,7 +44,8 @@ CHUNKED = _prompt(4, 200)  # prefilled in steps of 64 tokens
 SHARED = _prompt(5, 160)  # chunks [0, 64), [64, 128), [128, 160)
 AFTER_KILL = _prompt(6, 96)
 REDIS_SHARED = _prompt(7, 130)
-ALL_PROMPTS = [P1, P2, P1_HEAD, EXTENDED, CHUNKED, SHARED, AFTER_KILL, REDIS_SHARED]
+ALIGNED = _prompt(8, 128)  # two whole chunks: a repeat must match the second one too
+ALL_PROMPTS = [P1, P2, P1_HEAD, EXTENDED, CHUNKED, SHARED, AFTER_KILL, REDIS_SHARED, ALIGNED]
 PREEMPTED = [_prompt(10 + i, 96) for i in range(6)]  # one batch, 64 tokens each
 PREEMPTED_MAX_TOKENS = 64
 
@@ -354,29 +355,32 @@ def test_chunked_prefill_stores_each_chunk_and_loads(
     baseline: dict[tuple[int, ...], list[int]],
 ) -> None:
     """Chunked prefill (64 tokens per step, vLLM's prefix cache off so that only tiered_kv can
-    supply the second run): each completed chunk is stored as the prefill goes, and the same
-    prompt again loads every whole block but the last from L1 with the same output."""
+    supply the repeats): each completed chunk is stored as the prefill goes, and the same
+    prompt again loads every whole block but the last from L1 with the same output. A
+    chunk-aligned prompt's repeat matches its last chunk too (looked up over whole chunks)."""
     out = run_vllm(
         model_dir,
         workdir,
         "chunked",
-        [[CHUNKED], [CHUNKED]],
+        [[CHUNKED], [CHUNKED], [ALIGNED], [ALIGNED]],
         connector=_connector(None),
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
     )
-    assert _outputs(out) == [baseline[tuple(CHUNKED)]] * 2
-    assert _cached(out) == [0, 192]  # (200 - 1) // 32 * 32
+    expected = [baseline[tuple(CHUNKED)]] * 2 + [baseline[tuple(ALIGNED)]] * 2
+    assert _outputs(out) == expected
+    assert _cached(out) == [0, 192, 0, 96]  # (200 - 1) // 32 * 32, (128 - 1) // 32 * 32
     host = out["engine_stats"]["host"]
     # Three stores while the 200-token prompt was prefilled 64 tokens at a time (tokens [0, 64),
-    # [64, 128), [128, 192)); the second request loaded those and stores nothing again.
-    assert (host["stores"], host["stored_tokens"]) == (3, 192)
-    assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (192, 0)
-    assert out["engine_stats"]["storage"]["hits_l1"] >= 3
+    # [64, 128), [128, 192)), two for the 128-token one; repeats store nothing again.
+    assert (host["stores"], host["stored_tokens"]) == (5, 192 + 128)
+    assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (192 + 96, 0)
+    assert out["engine_stats"]["storage"]["hits_l1"] >= 5
     stats = out["connector_stats"]  # what vLLM's stat loggers received
-    assert (stats["stored_tokens"], stats["loaded_tokens"]) == (192, 192)
-    assert stats["storage_hits_l1"] >= 3
-    assert stats["scheduler_lookups_answered"] >= 2
+    assert (stats["stored_tokens"], stats["loaded_tokens"]) == (192 + 128, 192 + 96)
+    assert stats["claimed_tokens"] == 192 + 96
+    assert stats["storage_hits_l1"] >= 5
+    assert stats["scheduler_lookups_answered"] >= 4
 
 
 def test_two_kv_both_instances_share_through_l3_server_and_survive_its_death(

@@ -6,7 +6,8 @@ lists], ...], "load_failure_policy": "recompute", "enable_prefix_caching": true,
 "max_num_batched_tokens": n, "kv_cache_memory_bytes": n, "max_model_len": n, "max_num_seqs": n,
 "kill_before_batch": {"index": pid}}. Each batch is one ``LLM.generate`` call (greedy), run in
 order; ``kill_before_batch`` SIGKILLs a process (an L3 server) before that batch. OUT: per batch,
-per prompt, the output token ids and vLLM's ``num_cached_tokens``; the connector stats vLLM's
+per prompt, the output token ids and vLLM's ``num_cached_tokens``, the seconds each batch took
+(``batch_seconds``: time to first token when ``max_tokens`` is 1); the connector stats vLLM's
 stat loggers received (summed) and its preemption count; in single-process mode also the
 worker engine's stats. Runs in the vLLM venv only; nothing is downloaded (HF_HUB_OFFLINE=1).
 """
@@ -61,21 +62,29 @@ def main(spec_path: str, out_path: str) -> None:
     max_tokens = spec.get("max_tokens", 8)
     kills = {int(index): int(pid) for index, pid in spec.get("kill_before_batch", {}).items()}
     batches = []
+    batch_seconds = []
     for index, batch in enumerate(spec["batches"]):
         if index in kills:
             os.kill(kills[index], signal.SIGKILL)
         tokens = max_tokens[index] if isinstance(max_tokens, list) else max_tokens
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        batch_started = time.perf_counter()
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False
         )
+        batch_seconds.append(time.perf_counter() - batch_started)
         batches.append(
             [
                 {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
                 for o in outputs
             ]
         )
-    result: dict[str, Any] = {"batches": batches, "init_s": init_s, **observed}
+    result: dict[str, Any] = {
+        "batches": batches,
+        "batch_seconds": batch_seconds,
+        "init_s": init_s,
+        **observed,
+    }
     if spec.get("connector") is not None and not spec.get("multiprocess"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

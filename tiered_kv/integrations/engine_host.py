@@ -98,17 +98,25 @@ class EngineHost(SyncTieredKVEngine):
         self._call(start())
 
     def load(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], *, skip_prefix_tokens: int
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int,
+        claimed_tokens: int | None = None,
     ) -> RetrieveResult:
-        """Retrieve the cached prefix into ``block_ids``; the lookup's prefetch is released."""
+        """Retrieve the cached prefix into ``block_ids``. ``claimed_tokens`` (default: all of
+        ``token_ids``) is what the serving stack counts on; the counters measure against it."""
+        claimed = len(token_ids) if claimed_tokens is None else claimed_tokens
 
         async def load() -> RetrieveResult:
             result = await self._engine.retrieve_detailed(
                 token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens
             )
+            delivered = min(result.valid_tokens, claimed)
             self.counters.loads += 1
-            self.counters.loaded_tokens += result.valid_tokens - skip_prefix_tokens
-            self.counters.load_shortfall_tokens += len(token_ids) - result.valid_tokens
+            self.counters.loaded_tokens += max(delivered - skip_prefix_tokens, 0)
+            self.counters.load_shortfall_tokens += claimed - delivered
             return result
 
         return self._call(load())

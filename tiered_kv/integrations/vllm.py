@@ -123,13 +123,20 @@ def parse_extra_config(
 @dataclasses.dataclass(slots=True)
 class LoadSpec:
     """Load ``token_ids``'s cached prefix into ``block_ids``, never writing the first
-    ``skip_prefix_tokens`` (vLLM's own prefix-cache hit). ``token_ids`` ends at the last block
-    the scheduler claimed."""
+    ``skip_prefix_tokens`` (vLLM's own prefix-cache hit). The scheduler claimed the tokens up to
+    ``claimed_end`` (0: up to the end of ``token_ids``); ``token_ids`` may go on to the end of
+    the chunk holding the claim's last token, so that the chunk's key matches the one stored:
+    those extra tokens land in the request's own next blocks, which vLLM computes anyway."""
 
     request_id: str
     token_ids: list[int]
     block_ids: list[int]
     skip_prefix_tokens: int
+    claimed_end: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.claimed_end or len(self.token_ids)
 
 
 @dataclasses.dataclass(slots=True)
@@ -304,10 +311,13 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = self._metadata()
         host = self._require_host()
         for spec in meta.loads:
-            end = len(spec.token_ids)
+            end = spec.end
             try:
                 valid = host.load(
-                    spec.token_ids, spec.block_ids, skip_prefix_tokens=spec.skip_prefix_tokens
+                    spec.token_ids,
+                    spec.block_ids,
+                    skip_prefix_tokens=spec.skip_prefix_tokens,
+                    claimed_tokens=end,
                 ).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
@@ -427,7 +437,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         now = time.monotonic()
         if state.first_lookup is None:
             state.first_lookup = now
-        ready = self._client.lookup(request.request_id, request.all_token_ids[:limit])
+        # Ask about every whole block of the request, not only up to the limit: a block-aligned
+        # prompt's last chunk was stored whole, and a key over fewer tokens would not match it.
+        looked_up = request.num_tokens // block * block
+        ready = self._client.lookup(request.request_id, request.all_token_ids[:looked_up])
         stats = self._scheduler_stats
         if ready is None:
             stats["scheduler_lookups_pending"] += 1
@@ -451,7 +464,6 @@ class TieredKVConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:
             state.load_end = state.local_tokens + num_external_tokens
             state.load_pending = True
-            state.stored_end = max(state.stored_end, state.load_end)  # already in the cache
         elif self._is_consumer:
             self._release.append(request.request_id)  # its lookup's prefetch is not needed
 
@@ -493,14 +505,25 @@ class TieredKVConnector(KVConnectorBase_V1):
             state.load_pending = False
             block_ids = list(resolve(request_id)[0])
             end = state.load_end
+            # Load through the end of the chunk holding the claim's last token (its stored key
+            # covers the whole chunk), as far as whole blocks vLLM already allocated reach.
+            chunk = self.engine_config.chunk_size
+            through = min(
+                -(-end // chunk) * chunk,
+                state.request.num_tokens // block * block,
+                len(block_ids) * block,
+            )
+            through = max(through, end)
             meta.loads.append(
                 LoadSpec(
                     request_id,
-                    list(state.request.all_token_ids[:end]),
-                    block_ids[: -(-end // block)],
+                    list(state.request.all_token_ids[:through]),
+                    block_ids[: -(-through // block)],
                     state.local_tokens,
+                    claimed_end=end,
                 )
             )
+            state.stored_end = max(state.stored_end, through)  # already in the cache
         if not self._is_producer or not _cacheable(state.request):
             return
         prompt_len = state.request.num_prompt_tokens
