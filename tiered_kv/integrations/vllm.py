@@ -16,8 +16,8 @@ loads in `start_load_kv` before the forward pass, stores in `wait_for_save` afte
 out of the blocks is done when it returns, so vLLM may free them at once), and reports blocks
 whose load fell short so that vLLM recomputes them.
 
-Must not: block the scheduler on disk or network (a lookup whose loads are in flight answers
-"ask again"), claim a partial block, load into blocks vLLM's own prefix cache owns, or let a
+Must not: block the scheduler on disk, network or the workers (a lookup answers "ask again"
+until the workers' answer has arrived and their loads are done), claim a partial block, load into blocks vLLM's own prefix cache owns, or let a
 tiered_kv failure fail a request (it is a miss, or failed blocks vLLM recomputes). vLLM is
 imported here only; importing tiered_kv never imports this module.
 """
