@@ -27,17 +27,14 @@ Prints a table last and writes a PNG (``--png``) with matplotlib.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,31 +68,6 @@ def _run(workdir: pathlib.Path, name: str, spec: dict[str, Any]) -> dict[str, An
         raise SystemExit(f"vLLM run {name} failed ({proc.returncode}):\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
-
-
-@contextlib.contextmanager
-def _l3_server(workdir: pathlib.Path) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(workdir / "l3.log", "w")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--capacity", "4GiB"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(
-                    f"tiered-kv serve did not start: {(workdir / 'l3.log').read_text()}"
-                )
-            time.sleep(0.1)
-        yield f"tkv://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def _drop_page_cache(directory: pathlib.Path) -> int:
@@ -165,7 +137,9 @@ def _one_round(
     plain = _run(workdir, "plain" + tag, {**common, "connector": None, "batches": twice})
     record("cold", plain, 1, 0)
     record("own_hit", plain, 1 + n, claimed)
-    with _l3_server(workdir) as l3_url:
+    from tests.vllm.l3_server import l3_server
+
+    with l3_server(workdir / f"l3{tag}.log", "4GiB") as (l3_url, _):
         stored = _run(
             workdir,
             "stored" + tag,

@@ -7,22 +7,19 @@ token ids (block size 32, chunk size 64); each scenario uses prompts no other on
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.remote_fixtures import redis_url  # noqa: F401 - a fixture
+from tests.vllm.l3_server import l3_server
 
 HERE = pathlib.Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_runner.py"
@@ -274,49 +271,6 @@ def test_negative_control_poisoned_kv_changes_output(
     assert _outputs(out) != [baseline[tuple(P1)]]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def _l3_server(workdir: pathlib.Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = _free_port()
-    log = open(workdir / "l3-server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tiered_kv.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--capacity",
-            "256MiB",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"tiered-kv serve did not start: {(workdir / 'l3-server.log').read_text()}"
-                )
-            time.sleep(0.1)
-        yield f"tkv://127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
-
-
 def test_producer_consumer_share_through_l3(
     model_dir: pathlib.Path,
     workdir: pathlib.Path,
@@ -324,7 +278,7 @@ def test_producer_consumer_share_through_l3(
 ) -> None:
     """Prefill on a kv_producer, then a kv_consumer on another process with no L2 of its own
     loads the prefix from our L3 server (`tiered-kv serve`)."""
-    with _l3_server(workdir) as (url, _):
+    with l3_server(workdir / "l3-producer.log", "256MiB") as (url, _):
         producer = run_vllm(
             model_dir,
             workdir,
@@ -392,7 +346,7 @@ def test_two_kv_both_instances_share_through_l3_server_and_survive_its_death(
     from L3. Then the server is killed (SIGKILL) between batches: the next prompt, stored by
     the first instance, is recomputed with the same output and the remote failure is reported
     through vLLM's connector stats."""
-    with _l3_server(workdir) as (url, server):
+    with l3_server(workdir / "l3-shared.log", "256MiB") as (url, server):
         first = run_vllm(
             model_dir,
             workdir,

@@ -17,9 +17,10 @@ out of the blocks is done when it returns, so vLLM may free them at once), and r
 whose load fell short so that vLLM recomputes them.
 
 Must not: block the scheduler on disk, network or the workers (a lookup answers "ask again"
-until the workers' answer has arrived and their loads are done), claim a partial block, load into blocks vLLM's own prefix cache owns, or let a
-tiered_kv failure fail a request (it is a miss, or failed blocks vLLM recomputes). vLLM is
-imported here only; importing tiered_kv never imports this module.
+until the workers' answer has arrived and their loads are done), claim a partial block, load
+into blocks vLLM's own prefix cache owns, or let a tiered_kv failure fail a request (it is a
+miss, or failed blocks vLLM recomputes). vLLM is imported here only; importing tiered_kv never
+imports this module.
 """
 
 from __future__ import annotations
@@ -182,19 +183,20 @@ class TieredKVConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+_HOST_STATS = (
+    "loads",
+    "loaded_tokens",
+    "load_shortfall_tokens",
+    "stores",
+    "stored_tokens",
+    "lookups",
+    "lookups_pending",
+    "lookup_seconds",
+)
 # Worker-side stats: name -> the engine-host stats entries (section, key) it sums.
 WORKER_STATS: dict[str, tuple[tuple[str, str], ...]] = {
-    "loads": (("host", "loads"),),
-    "loaded_tokens": (("host", "loaded_tokens"),),
-    "load_shortfall_tokens": (("host", "load_shortfall_tokens"),),
-    "stores": (("host", "stores"),),
-    "stored_tokens": (("host", "stored_tokens"),),
-    "lookups": (("host", "lookups"),),
-    "lookups_pending": (("host", "lookups_pending"),),
-    "lookup_seconds": (("host", "lookup_seconds"),),
-    "storage_hits_l1": (("storage", "hits_l1"),),
-    "storage_hits_l2": (("storage", "hits_l2"),),
-    "storage_hits_l3": (("storage", "hits_l3"),),
+    **{name: (("host", name),) for name in _HOST_STATS},
+    **{f"storage_hits_{tier}": (("storage", f"hits_{tier}"),) for tier in ("l1", "l2", "l3")},
     "prefetch_failed": (("prefetch", "failed"),),
     "l2_errors": (("storage", "l2_read_failures"),),
     "l3_errors": (("storage", "l3_read_failures"), ("l3", "exists_failures")),
