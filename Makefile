@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-vllm lint bench-core clean
+.PHONY: demo test test-vllm lint bench-core bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ lint: $(VENV)/.installed
 
 bench-core: $(VENV)/.installed
 	$(PY) bench/core.py
+
+# Time to first token in a real vLLM (CPU) with the connector: cold, L1, L2 and L3 hits.
+bench-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) bench/vllm_ttft.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

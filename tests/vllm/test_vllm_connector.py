@@ -7,19 +7,19 @@ token ids (block size 32, chunk size 64); each scenario uses prompts no other on
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+import uuid
 from typing import Any
 
 import pytest
+
+from tests.remote_fixtures import redis_url  # noqa: F401 - a fixture
+from tests.vllm.l3_server import l3_server
 
 HERE = pathlib.Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_runner.py"
@@ -37,7 +37,14 @@ P1 = _prompt(1, 96)  # block-aligned: 3 blocks, chunks [0, 64) and [64, 96)
 P2 = _prompt(2, 100)  # not block-aligned: 96 tokens of whole blocks are cached
 P1_HEAD = P1[:40]  # vLLM's own prefix cache keeps its first block (32 tokens)
 EXTENDED = P1 + _prompt(3, 60)  # extends P1: 32 tokens from vLLM, 32 from tiered_kv
-ALL_PROMPTS = [P1, P2, P1_HEAD, EXTENDED]
+CHUNKED = _prompt(4, 200)  # prefilled in steps of 64 tokens
+SHARED = _prompt(5, 160)  # chunks [0, 64), [64, 128), [128, 160)
+AFTER_KILL = _prompt(6, 96)
+REDIS_SHARED = _prompt(7, 130)
+ALIGNED = _prompt(8, 128)  # two whole chunks: a repeat must match the second one too
+ALL_PROMPTS = [P1, P2, P1_HEAD, EXTENDED, CHUNKED, SHARED, AFTER_KILL, REDIS_SHARED, ALIGNED]
+PREEMPTED = [_prompt(10 + i, 96) for i in range(6)]  # one batch, 64 tokens each
+PREEMPTED_MAX_TOKENS = 64
 
 
 def test_vllm_is_importable() -> None:
@@ -45,13 +52,6 @@ def test_vllm_is_importable() -> None:
     import vllm
 
     assert vllm.__version__.startswith("0.32")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from tests.vllm.tiny_llama import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _connector(l2_path: pathlib.Path | None, **extra: Any) -> dict[str, Any]:
@@ -112,11 +112,23 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def baseline(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[tuple[int, ...], list[int]]:
     """Greedy output of every prompt without the connector."""
-    out = run_vllm(model_dir, workdir, "baseline", _single(ALL_PROMPTS), connector=None)
-    return {
+    out = run_vllm(
+        model_dir,
+        workdir,
+        "baseline",
+        [*_single(ALL_PROMPTS), PREEMPTED],
+        connector=None,
+        max_tokens=[8] * len(ALL_PROMPTS) + [PREEMPTED_MAX_TOKENS],
+    )
+    outputs = {
         tuple(prompt): batch[0]["tokens"]
-        for prompt, batch in zip(ALL_PROMPTS, out["batches"], strict=True)
+        for prompt, batch in zip(ALL_PROMPTS, out["batches"][:-1], strict=True)
     }
+    preempted = out["batches"][-1]
+    outputs.update(
+        {(-1, *prompt): o["tokens"] for prompt, o in zip(PREEMPTED, preempted, strict=True)}
+    )
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -259,48 +271,6 @@ def test_negative_control_poisoned_kv_changes_output(
     assert _outputs(out) != [baseline[tuple(P1)]]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def _l3_server(workdir: pathlib.Path) -> Iterator[str]:
-    port = _free_port()
-    log = open(workdir / "l3-server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tiered_kv.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--capacity",
-            "256MiB",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"tiered-kv serve did not start: {(workdir / 'l3-server.log').read_text()}"
-                )
-            time.sleep(0.1)
-        yield f"tkv://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
-
-
 def test_producer_consumer_share_through_l3(
     model_dir: pathlib.Path,
     workdir: pathlib.Path,
@@ -308,7 +278,7 @@ def test_producer_consumer_share_through_l3(
 ) -> None:
     """Prefill on a kv_producer, then a kv_consumer on another process with no L2 of its own
     loads the prefix from our L3 server (`tiered-kv serve`)."""
-    with _l3_server(workdir) as url:
+    with l3_server(workdir / "l3-producer.log", "256MiB") as (url, _):
         producer = run_vllm(
             model_dir,
             workdir,
@@ -331,3 +301,124 @@ def test_producer_consumer_share_through_l3(
     assert _cached(consumer) == [96]
     assert consumer["engine_stats"]["host"]["stored_tokens"] == 0  # a consumer never stores
     assert consumer["engine_stats"]["storage"]["hits_l3"] >= 1
+
+
+def test_chunked_prefill_stores_each_chunk_and_loads(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+) -> None:
+    """Chunked prefill (64 tokens per step, vLLM's prefix cache off so that only tiered_kv can
+    supply the repeats): each completed chunk is stored as the prefill goes, and the same
+    prompt again loads every whole block but the last from L1 with the same output. A
+    chunk-aligned prompt's repeat matches its last chunk too (looked up over whole chunks)."""
+    out = run_vllm(
+        model_dir,
+        workdir,
+        "chunked",
+        [[CHUNKED], [CHUNKED], [ALIGNED], [ALIGNED]],
+        connector=_connector(None),
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
+    expected = [baseline[tuple(CHUNKED)]] * 2 + [baseline[tuple(ALIGNED)]] * 2
+    assert _outputs(out) == expected
+    assert _cached(out) == [0, 192, 0, 96]  # (200 - 1) // 32 * 32, (128 - 1) // 32 * 32
+    host = out["engine_stats"]["host"]
+    # Three stores while the 200-token prompt was prefilled 64 tokens at a time (tokens [0, 64),
+    # [64, 128), [128, 192)), two for the 128-token one; repeats store nothing again.
+    assert (host["stores"], host["stored_tokens"]) == (5, 192 + 128)
+    assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (192 + 96, 0)
+    assert out["engine_stats"]["storage"]["hits_l1"] >= 5
+    stats = out["connector_stats"]  # what vLLM's stat loggers received
+    assert (stats["stored_tokens"], stats["loaded_tokens"]) == (192 + 128, 192 + 96)
+    assert stats["claimed_tokens"] == 192 + 96
+    assert stats["storage_hits_l1"] >= 5
+    assert stats["scheduler_lookups_answered"] >= 4
+
+
+def test_two_kv_both_instances_share_through_l3_server_and_survive_its_death(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+) -> None:
+    """Two kv_both instances on one `tiered-kv serve`: the second loads the first's prefix
+    from L3. Then the server is killed (SIGKILL) between batches: the next prompt, stored by
+    the first instance, is recomputed with the same output and the remote failure is reported
+    through vLLM's connector stats."""
+    with l3_server(workdir / "l3-shared.log", "256MiB") as (url, server):
+        first = run_vllm(
+            model_dir,
+            workdir,
+            "share-l3-a",
+            _single([SHARED, AFTER_KILL]),
+            connector=_connector(None, l3_url=url, l3_timeout_s=2.0),
+        )
+        assert first["engine_stats"]["host"]["stored_tokens"] == 160 + 96
+        second = run_vllm(
+            model_dir,
+            workdir,
+            "share-l3-b",
+            _single([SHARED, AFTER_KILL]),
+            connector=_connector(None, l3_url=url, l3_timeout_s=2.0),
+            kill_before_batch={"1": server.pid},
+        )
+        server.wait(timeout=10)
+    assert _outputs(first) == [baseline[tuple(SHARED)], baseline[tuple(AFTER_KILL)]]
+    assert _outputs(second) == [baseline[tuple(SHARED)], baseline[tuple(AFTER_KILL)]]
+    assert _cached(second) == [128, 0]  # SHARED from L3; AFTER_KILL: L3 is gone, recomputed
+    stats = second["connector_stats"]
+    assert stats["storage_hits_l3"] >= 2
+    assert stats["loaded_tokens"] == 128
+    assert stats["l3_errors"] >= 1
+    assert second["failures"] == 0
+
+
+def test_two_kv_both_instances_share_through_redis(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+    redis_url: str,  # noqa: F811 - the fixture
+) -> None:
+    """The same sharing through a real Redis server (TIERED_KV_TEST_REDIS_URL in CI)."""
+    prefix = f"tkv-vllm-{uuid.uuid4().hex[:8]}"
+    connector = _connector(None, l3_url=redis_url, l3_key_prefix=prefix)
+    first = run_vllm(model_dir, workdir, "share-redis-a", [[REDIS_SHARED]], connector=connector)
+    second = run_vllm(model_dir, workdir, "share-redis-b", [[REDIS_SHARED]], connector=connector)
+    assert _outputs(first) == _outputs(second) == [baseline[tuple(REDIS_SHARED)]]
+    assert (_cached(first), _cached(second)) == ([0], [128])
+    assert second["engine_stats"]["storage"]["hits_l3"] >= 2
+    assert second["engine_stats"]["host"]["loaded_tokens"] == 128
+
+
+def test_preemption_releases_everything_held(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+) -> None:
+    """A KV cache of 16 blocks for six requests that need 5 blocks each: vLLM preempts
+    requests and schedules them again (their lookups and loads start over). Output equals the
+    run without the connector, and once every request finished the worker holds no prefetch,
+    no in-flight load and no reserved host memory."""
+    out = run_vllm(
+        model_dir,
+        workdir,
+        "preempt",
+        [PREEMPTED],
+        connector=_connector(None),
+        max_tokens=PREEMPTED_MAX_TOKENS,
+        max_model_len=256,
+        kv_cache_memory_bytes=16 * 32 * 1024,  # 16 blocks of 2 layers x 16 KiB
+    )
+    assert out["preempted_requests"] >= 1
+    assert [o["tokens"] for o in out["batches"][0]] == [baseline[(-1, *p)] for p in PREEMPTED]
+    stats = out["engine_stats"]
+    assert stats["host"]["prefetches_held"] == 0
+    assert stats["host"]["load_shortfall_tokens"] == 0
+    prefetch = stats["prefetch"]
+    assert (prefetch["live_handles"], prefetch["in_flight"], prefetch["reserved_bytes"]) == (
+        0,
+        0,
+        0,
+    )
+    assert out["failures"] == 0

@@ -13,8 +13,18 @@ VOCAB_SIZE = 512
 HEAD_DIM = 32  # vLLM's CPU attention accepts 32/64/80/96/112/128/...
 
 
-def build_tiny_llama(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
-    """Write a 2-layer Llama (hidden 128, 4 heads, 2 KV heads, head_dim 32) to ``directory``."""
+def build_tiny_llama(
+    directory: str | pathlib.Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = HEAD_DIM,
+) -> pathlib.Path:
+    """Write a random Llama to ``directory``: by default 2 layers, hidden 128, 4 heads, 2 KV
+    heads, head_dim 32 (the tests' model); the benchmark asks for a larger one."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -25,13 +35,13 @@ def build_tiny_llama(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib
         return path
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=4096,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

@@ -1,19 +1,25 @@
 """One vLLM run, in its own process: ``python tests/vllm/vllm_runner.py SPEC.json OUT.json``.
 
 SPEC: {"model": dir, "connector": extra config dict or null, "role": "kv_both",
-"multiprocess": false, "block_size": 32, "max_tokens": 8, "batches": [[token lists], ...],
-"load_failure_policy": "recompute", "enable_prefix_caching": true, "max_num_batched_tokens": n}.
-Each batch is one ``LLM.generate`` call (greedy), run in order. OUT: per batch, per prompt, the
-output token ids and vLLM's ``num_cached_tokens``; in single-process mode also the worker
-engine's stats. Runs in the vLLM venv only; nothing is downloaded (HF_HUB_OFFLINE=1).
+"multiprocess": false, "block_size": 32, "max_tokens": 8 or [per batch], "batches": [[token
+lists], ...], "load_failure_policy": "recompute", "enable_prefix_caching": true,
+"max_num_batched_tokens": n, "kv_cache_memory_bytes": n, "max_model_len": n, "max_num_seqs": n,
+"kill_before_batch": {"index": pid}}. Each batch is one ``LLM.generate`` call (greedy), run in
+order; ``kill_before_batch`` SIGKILLs a process (an L3 server) before that batch. OUT: per batch,
+per prompt, the output token ids and vLLM's ``num_cached_tokens``, the seconds each batch took
+(``batch_seconds``: time to first token when ``max_tokens`` is 1); the connector stats vLLM's
+stat loggers received (summed) and its preemption count; in single-process mode also the
+worker engine's stats. Runs in the vLLM venv only; nothing is downloaded (HF_HUB_OFFLINE=1).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+from typing import Any
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -26,7 +32,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector",
@@ -46,24 +52,39 @@ def main(spec_path: str, out_path: str) -> None:
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 16 << 20),
         enforce_eager=True,
         seed=0,
-        max_num_seqs=8,
+        max_num_seqs=spec.get("max_num_seqs", 8),
         enable_prefix_caching=spec.get("enable_prefix_caching", True),
+        disable_log_stats=False,
         **kwargs,
     )
     init_s = time.monotonic() - started
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    observed = _observe_stats(llm)
+    max_tokens = spec.get("max_tokens", 8)
+    kills = {int(index): int(pid) for index, pid in spec.get("kill_before_batch", {}).items()}
     batches = []
-    for batch in spec["batches"]:
+    batch_seconds = []
+    for index, batch in enumerate(spec["batches"]):
+        if index in kills:
+            os.kill(kills[index], signal.SIGKILL)
+        tokens = max_tokens[index] if isinstance(max_tokens, list) else max_tokens
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        batch_started = time.perf_counter()
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False
         )
+        batch_seconds.append(time.perf_counter() - batch_started)
         batches.append(
             [
                 {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
                 for o in outputs
             ]
         )
-    result: dict = {"batches": batches, "init_s": init_s}
+    result: dict[str, Any] = {
+        "batches": batches,
+        "batch_seconds": batch_seconds,
+        "init_s": init_s,
+        **observed,
+    }
     if spec.get("connector") is not None and not spec.get("multiprocess"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -75,6 +96,25 @@ def main(spec_path: str, out_path: str) -> None:
     result["total_s"] = time.monotonic() - started
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _observe_stats(llm: Any) -> dict[str, Any]:
+    """Sum what vLLM hands its stat loggers: the connector's stats (as the logging stat logger
+    aggregates them) and the number of preempted requests that were scheduled again."""
+    observed: dict[str, Any] = {"connector_stats": {}, "preempted_requests": 0}
+    manager = llm.llm_engine.logger_manager
+    record = manager.record
+
+    def record_and_observe(scheduler_stats: Any, *args: Any, **kwargs: Any) -> None:
+        if scheduler_stats is not None:
+            totals = observed["connector_stats"]
+            for key, value in (scheduler_stats.kv_connector_stats or {}).items():
+                totals[key] = totals.get(key, 0) + value
+            observed["preempted_requests"] += scheduler_stats.prefix_cache_stats.preempted_requests
+        record(scheduler_stats, *args, **kwargs)
+
+    manager.record = record_and_observe
+    return observed
 
 
 if __name__ == "__main__":

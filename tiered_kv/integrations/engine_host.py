@@ -24,6 +24,7 @@ from tiered_kv.keys import TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
 from tiered_kv.sync import SyncTieredKVEngine
+from tiered_kv.tiers.base import LowerTier
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,12 @@ class EngineHost(SyncTieredKVEngine):
     lookup path runs on the loop. Prefetch handles never leave the loop.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, lower_tiers: Sequence[LowerTier] = ()) -> None:
         self.counters = HostCounters()
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._server: LookupServer | None = None
         self._model_name: str | None = None
-        super().__init__(config)
+        super().__init__(config, lower_tiers=lower_tiers)
 
     def register_kv_caches(
         self,
@@ -98,17 +99,25 @@ class EngineHost(SyncTieredKVEngine):
         self._call(start())
 
     def load(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], *, skip_prefix_tokens: int
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int,
+        claimed_tokens: int | None = None,
     ) -> RetrieveResult:
-        """Retrieve the cached prefix into ``block_ids``; the lookup's prefetch is released."""
+        """Retrieve the cached prefix into ``block_ids``. ``claimed_tokens`` (default: all of
+        ``token_ids``) is what the serving stack counts on; the counters measure against it."""
+        claimed = len(token_ids) if claimed_tokens is None else claimed_tokens
 
         async def load() -> RetrieveResult:
             result = await self._engine.retrieve_detailed(
                 token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens
             )
+            delivered = min(result.valid_tokens, claimed)
             self.counters.loads += 1
-            self.counters.loaded_tokens += result.valid_tokens - skip_prefix_tokens
-            self.counters.load_shortfall_tokens += len(token_ids) - result.valid_tokens
+            self.counters.loaded_tokens += max(delivered - skip_prefix_tokens, 0)
+            self.counters.load_shortfall_tokens += claimed - delivered
             return result
 
         return self._call(load())

@@ -3,9 +3,9 @@
 Owns the wire format (one Unix stream socket per worker rank; frames are a 4-byte big-endian
 length and a UTF-8 JSON object), `LookupServer` (served on the engine's event loop, answering
 with a coroutine the worker side supplies) and `LookupClient` (used by the scheduler from its
-own thread, blocking for at most a few milliseconds per call). Must not import a serving stack,
-touch KV bytes, or let a slow or missing worker block the scheduler: an answer that has not
-arrived in time is "ask again" (None), an unreachable worker is a miss (0).
+own thread, never waiting: a question is sent and its answer picked up by a later call). Must
+not import a serving stack, touch KV bytes, or let a slow or missing worker block the scheduler:
+an answer that has not arrived yet is "ask again" (None), an unreachable worker is a miss (0).
 
 Messages: request ``{"id": n, "req": request_id, "tokens": [ints]}``; reply ``{"id": n,
 "ready": int or null}`` where null means "a load is still in flight, ask again". A worker that
@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import socket
 import struct
 import tempfile
@@ -141,31 +140,33 @@ class LookupServer:
 
 
 class _Peer:
-    """One rank's connection, owned by a `LookupClient` (scheduler thread only)."""
+    """One rank's connection, owned by a `LookupClient` (scheduler thread only). Never blocks:
+    the socket is non-blocking, questions wait in ``outbox`` until the socket takes them."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.sock: socket.socket | None = None
-        self.buffer = bytearray()
-        self.pending: dict[int, str] = {}  # message id -> request id
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.pending: dict[int, str] = {}  # message id -> request id ("" once forgotten)
+        self.asking: set[str] = set()  # request ids with a question on the way
         self.answers: dict[str, int | None] = {}
         self.retry_at = 0.0
 
-    def connect(self, timeout: float) -> socket.socket | None:
+    def connect(self) -> socket.socket | None:
         if self.sock is not None:
             return self.sock
         if time.monotonic() < self.retry_at:
             return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
+        sock.setblocking(False)
         try:
-            sock.connect(self.path)
+            sock.connect(self.path)  # a Unix socket connects at once or fails at once
         except OSError as exc:
             sock.close()
             self.retry_at = time.monotonic() + 1.0
             logger.warning("tiered_kv: lookup channel %s unreachable: %s", self.path, exc)
             return None
-        sock.setblocking(False)
         self.sock = sock
         return sock
 
@@ -173,9 +174,29 @@ class _Peer:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
-        self.buffer.clear()
+        self.inbox.clear()
+        self.outbox.clear()
         self.pending.clear()
+        self.asking.clear()
         self.retry_at = time.monotonic() + 1.0
+
+    def ask(self, message_id: int, request_id: str, token_ids: Sequence[int]) -> None:
+        self.pending[message_id] = request_id
+        self.asking.add(request_id)
+        self.outbox += _encode({"id": message_id, "req": request_id, "tokens": list(token_ids)})
+
+    def flush(self) -> None:
+        """Send what the socket takes now."""
+        while self.sock is not None and self.outbox:
+            try:
+                sent = self.sock.send(self.outbox)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                logger.warning("tiered_kv: lookup channel %s failed: %s", self.path, exc)
+                self.drop()
+                return
+            del self.outbox[:sent]
 
     def read_available(self) -> None:
         sock = self.sock
@@ -192,16 +213,16 @@ class _Peer:
             if not data:
                 self.drop()
                 return
-            self.buffer += data
-        while len(self.buffer) >= _LEN.size:
-            (length,) = _LEN.unpack_from(self.buffer)
+            self.inbox += data
+        while len(self.inbox) >= _LEN.size:
+            (length,) = _LEN.unpack_from(self.inbox)
             if length > MAX_FRAME_BYTES:
                 self.drop()
                 return
-            if len(self.buffer) < _LEN.size + length:
+            if len(self.inbox) < _LEN.size + length:
                 break
-            body = bytes(self.buffer[_LEN.size : _LEN.size + length])
-            del self.buffer[: _LEN.size + length]
+            body = bytes(self.inbox[_LEN.size : _LEN.size + length])
+            del self.inbox[: _LEN.size + length]
             try:
                 reply = json.loads(body)
                 request_id = self.pending.pop(reply["id"])
@@ -217,71 +238,54 @@ class _Peer:
                     reply["error"],
                 )
             if request_id:  # "" marks a request the scheduler forgot
+                self.asking.discard(request_id)
                 self.answers[request_id] = ready if isinstance(ready, int) else None
 
 
 class LookupClient:
     """Asks every rank's `LookupServer`; the answer is the minimum over ranks.
 
-    Scheduler thread only. `lookup` never blocks longer than ``wait_s`` (plus a connect of at
-    most ``connect_timeout_s`` on first use): an answer still missing then is None ("ask
-    again"); it is picked up by a later call for the same request.
+    Scheduler thread only. `lookup` never waits: the first call for a request sends the
+    question and answers None ("ask again"); a later call returns the answer once every rank's
+    has arrived. An unreachable or broken worker is a miss (0), retried after a second.
     """
 
-    def __init__(
-        self, paths: Sequence[str], *, wait_s: float = 0.05, connect_timeout_s: float = 1.0
-    ) -> None:
+    def __init__(self, paths: Sequence[str]) -> None:
         self._peers = [_Peer(path) for path in paths]
-        self._wait_s = wait_s
-        self._connect_timeout_s = connect_timeout_s
         self._next_id = 0
         self.unreachable = 0
 
     def lookup(self, request_id: str, token_ids: Sequence[int]) -> int | None:
         """Cached tokens of ``token_ids`` ready on every rank; None: ask again; 0 on failure."""
-        deadline = time.monotonic() + self._wait_s
         for peer in self._peers:
-            if request_id in peer.answers or request_id in peer.pending.values():
+            if request_id in peer.answers or request_id in peer.asking:
                 continue
-            sock = peer.connect(self._connect_timeout_s)
-            if sock is None:
-                self.unreachable += 1
-                return 0
+            if peer.connect() is None:
+                return self._unreachable(request_id)
             self._next_id += 1
-            peer.pending[self._next_id] = request_id
-            frame = _encode({"id": self._next_id, "req": request_id, "tokens": list(token_ids)})
-            try:
-                sock.setblocking(True)
-                sock.settimeout(self._connect_timeout_s)
-                sock.sendall(frame)
-                sock.setblocking(False)
-            except OSError as exc:
-                logger.warning("tiered_kv: lookup channel %s failed: %s", peer.path, exc)
-                peer.drop()
-                self.unreachable += 1
-                return 0
-        while True:
-            for peer in self._peers:
-                peer.read_available()
-                if peer.sock is None and request_id not in peer.answers:
-                    self.unreachable += 1
-                    self.forget(request_id)
-                    return 0
-            if all(request_id in peer.answers for peer in self._peers):
-                answers = [peer.answers.pop(request_id) for peer in self._peers]
-                if any(answer is None for answer in answers):
-                    return None
-                return min(answer for answer in answers if answer is not None)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            socks = [peer.sock for peer in self._peers if peer.sock is not None]
-            select.select(socks, [], [], remaining)
+            peer.ask(self._next_id, request_id, token_ids)
+        for peer in self._peers:
+            peer.flush()
+            peer.read_available()
+            if peer.sock is None and request_id not in peer.answers:
+                return self._unreachable(request_id)
+        if not all(request_id in peer.answers for peer in self._peers):
+            return None
+        answers = [peer.answers.pop(request_id) for peer in self._peers]
+        if any(answer is None for answer in answers):
+            return None  # a rank's loads are in flight: the next call asks again
+        return min(answer for answer in answers if answer is not None)
+
+    def _unreachable(self, request_id: str) -> int:
+        self.unreachable += 1
+        self.forget(request_id)
+        return 0
 
     def forget(self, request_id: str) -> None:
         """Drop answers for ``request_id`` (a reply still on the way is discarded on arrival)."""
         for peer in self._peers:
             peer.answers.pop(request_id, None)
+            peer.asking.discard(request_id)
             for message_id in [m for m, r in peer.pending.items() if r == request_id]:
                 peer.pending[message_id] = ""  # keeps the id matched; the answer is dropped
 

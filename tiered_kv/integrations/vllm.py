@@ -16,16 +16,18 @@ loads in `start_load_kv` before the forward pass, stores in `wait_for_save` afte
 out of the blocks is done when it returns, so vLLM may free them at once), and reports blocks
 whose load fell short so that vLLM recomputes them.
 
-Must not: block the scheduler on disk or network (a lookup whose loads are in flight answers
-"ask again"), claim a partial block, load into blocks vLLM's own prefix cache owns, or let a
-tiered_kv failure fail a request (it is a miss, or failed blocks vLLM recomputes). vLLM is
-imported here only; importing tiered_kv never imports this module.
+Must not: block the scheduler on disk, network or the workers (a lookup answers "ask again"
+until the workers' answer has arrived and their loads are done), claim a partial block, load
+into blocks vLLM's own prefix cache owns, or let a tiered_kv failure fail a request (it is a
+miss, or failed blocks vLLM recomputes). vLLM is imported here only; importing tiered_kv never
+imports this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -74,14 +76,11 @@ class ConnectorOptions:
         (vLLM's own layout) on GPUs.
     lookup_socket_dir: directory of the scheduler-to-worker sockets (default: a per-user
         directory under the temp dir).
-    lookup_wait_ms: how long one scheduler lookup waits for the workers' answer before
-        answering "ask again".
     """
 
     model_name: str | None = None
     layout_hints: Mapping[str, Any] | None = None
     lookup_socket_dir: str | None = None
-    lookup_wait_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if self.model_name is not None and (
@@ -92,9 +91,6 @@ class ConnectorOptions:
             raise ConfigError(f"layout_hints: expected a dict, got {self.layout_hints!r}")
         if self.lookup_socket_dir is not None and not isinstance(self.lookup_socket_dir, str):
             raise ConfigError(f"lookup_socket_dir: expected a str, got {self.lookup_socket_dir!r}")
-        wait = self.lookup_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 10_000:
-            raise ConfigError(f"lookup_wait_ms: expected a number in [0, 10000], got {wait!r}")
 
 
 _OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(ConnectorOptions))
@@ -128,13 +124,20 @@ def parse_extra_config(
 @dataclasses.dataclass(slots=True)
 class LoadSpec:
     """Load ``token_ids``'s cached prefix into ``block_ids``, never writing the first
-    ``skip_prefix_tokens`` (vLLM's own prefix-cache hit). ``token_ids`` ends at the last block
-    the scheduler claimed."""
+    ``skip_prefix_tokens`` (vLLM's own prefix-cache hit). The scheduler claimed the tokens up to
+    ``claimed_end`` (0: up to the end of ``token_ids``); ``token_ids`` may go on to the end of
+    the chunk holding the claim's last token, so that the chunk's key matches the one stored:
+    those extra tokens land in the request's own next blocks, which vLLM computes anyway."""
 
     request_id: str
     token_ids: list[int]
     block_ids: list[int]
     skip_prefix_tokens: int
+    claimed_end: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.claimed_end or len(self.token_ids)
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,8 +164,9 @@ class TieredKVMetadata(KVConnectorMetadata):
 
 @dataclasses.dataclass
 class TieredKVConnectorStats(KVConnectorStats):
-    """Counters of one logging interval (sums over workers): lookups, tokens loaded and stored,
-    blocks whose load failed, hits per tier."""
+    """Counters of one logging interval, summed over the scheduler and the workers (names in
+    `WORKER_STATS` and `SCHEDULER_STATS`): hits per tier, tokens loaded and stored, lookup
+    latency, load errors."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -179,17 +183,32 @@ class TieredKVConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-_STATS_KEYS = (
-    ("host", "loads"),
-    ("host", "loaded_tokens"),
-    ("host", "load_shortfall_tokens"),
-    ("host", "stored_tokens"),
-    ("host", "lookups"),
-    ("host", "lookups_pending"),
-    ("host", "lookup_seconds"),
-    ("storage", "hits_l1"),
-    ("storage", "hits_l2"),
-    ("storage", "hits_l3"),
+_HOST_STATS = (
+    "loads",
+    "loaded_tokens",
+    "load_shortfall_tokens",
+    "stores",
+    "stored_tokens",
+    "lookups",
+    "lookups_pending",
+    "lookup_seconds",
+)
+# Worker-side stats: name -> the engine-host stats entries (section, key) it sums.
+WORKER_STATS: dict[str, tuple[tuple[str, str], ...]] = {
+    **{name: (("host", name),) for name in _HOST_STATS},
+    **{f"storage_hits_{tier}": (("storage", f"hits_{tier}"),) for tier in ("l1", "l2", "l3")},
+    "prefetch_failed": (("prefetch", "failed"),),
+    "l2_errors": (("storage", "l2_read_failures"),),
+    "l3_errors": (("storage", "l3_read_failures"), ("l3", "exists_failures")),
+}
+# Scheduler-side stats: lookups answered (not "ask again"), the seconds from a request's first
+# lookup to its answer (summed), tokens claimed for loading, and blocks reported as failed loads
+# (counted on the worker).
+SCHEDULER_STATS = (
+    "scheduler_lookups_answered",
+    "scheduler_lookups_pending",
+    "scheduler_lookup_latency_seconds",
+    "claimed_tokens",
 )
 
 
@@ -204,7 +223,8 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's block-aligned prefix-cache hit at the last lookup
     load_end: int = 0  # end of the tokens to load (0: none)
     load_pending: bool = False
-    stored_end: int = 0  # tokens already handed to a StoreSpec
+    stored_end: int = 0  # tokens already handed to a StoreSpec or loaded from the cache
+    first_lookup: float | None = None  # time.monotonic() of the first unanswered lookup
 
 
 class TieredKVConnector(KVConnectorBase_V1):
@@ -237,13 +257,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._host: EngineHost | None = None
         self._load_errors: set[int] = set()
         self._stats_last: dict[str, float] = {}
+        self.load_error_blocks = 0  # blocks reported to vLLM as not loaded (recomputed)
+        self._scheduler_stats: dict[str, float] = dict.fromkeys(SCHEDULER_STATS, 0)
         self.failures = 0  # loads / stores that raised (logged, counted, turned into misses)
         if role == KVConnectorRole.SCHEDULER:
             paths = [
                 socket_path(self._socket_dir, self._instance_id, rank)
                 for rank in range(self._world_size)
             ]
-            self._client = LookupClient(paths, wait_s=self.options.lookup_wait_ms / 1000)
+            self._client = LookupClient(paths)
             if self._is_consumer and transfer.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "TieredKVConnector: kv_load_failure_policy=%r fails a request whose cached "
@@ -291,10 +313,13 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = self._metadata()
         host = self._require_host()
         for spec in meta.loads:
-            end = len(spec.token_ids)
+            end = spec.end
             try:
                 valid = host.load(
-                    spec.token_ids, spec.block_ids, skip_prefix_tokens=spec.skip_prefix_tokens
+                    spec.token_ids,
+                    spec.block_ids,
+                    skip_prefix_tokens=spec.skip_prefix_tokens,
+                    claimed_tokens=end,
                 ).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
@@ -304,7 +329,9 @@ class TieredKVConnector(KVConnectorBase_V1):
                 valid = spec.skip_prefix_tokens
             if valid < end:
                 first_bad = valid // self._block_size
-                self._load_errors.update(spec.block_ids[first_bad : -(-end // self._block_size)])
+                failed = spec.block_ids[first_bad : -(-end // self._block_size)]
+                self._load_errors.update(failed)
+                self.load_error_blocks += len(failed)
                 logger.warning(
                     "TieredKVConnector: %s: %d of %d claimed tokens not loaded; vLLM "
                     "recomputes blocks from %d",
@@ -353,17 +380,23 @@ class TieredKVConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This interval's counters: the scheduler's own, or the worker's engine's (deltas)."""
         if self._host is None:
-            return None
-        stats = self._host.stats()
-        data: dict[str, float] = {}
-        for section, key in _STATS_KEYS:
-            value = stats.get(section, {}).get(key)
-            if value is None:
-                continue
-            name = f"{section}_{key}" if section != "host" else key
-            data[name] = value - self._stats_last.get(name, 0)
-            self._stats_last[name] = value
+            data, self._scheduler_stats = (
+                self._scheduler_stats,
+                dict.fromkeys(SCHEDULER_STATS, 0),
+            )
+        else:
+            stats = self._host.stats()
+            totals = {
+                name: sum(stats.get(section, {}).get(key, 0) for section, key in entries)
+                for name, entries in WORKER_STATS.items()
+            }
+            totals["load_error_blocks"] = self.load_error_blocks
+            data = {}
+            for name, value in totals.items():
+                data[name] = value - self._stats_last.get(name, 0)
+                self._stats_last[name] = value
         stats_obj = TieredKVConnectorStats(data=data)
         return None if stats_obj.is_empty() else stats_obj
 
@@ -403,13 +436,25 @@ class TieredKVConnector(KVConnectorBase_V1):
         if limit <= num_computed_tokens:
             return 0, False
         state = self._state(request)
-        ready = self._client.lookup(request.request_id, request.all_token_ids[:limit])
+        now = time.monotonic()
+        if state.first_lookup is None:
+            state.first_lookup = now
+        # Ask about every whole block of the request, not only up to the limit: a block-aligned
+        # prompt's last chunk was stored whole, and a key over fewer tokens would not match it.
+        looked_up = request.num_tokens // block * block
+        ready = self._client.lookup(request.request_id, request.all_token_ids[:looked_up])
+        stats = self._scheduler_stats
         if ready is None:
-            return None, False  # loads in flight: vLLM asks again next step
+            stats["scheduler_lookups_pending"] += 1
+            return None, False  # the answer or the loads are on the way: vLLM asks again
+        stats["scheduler_lookups_answered"] += 1
+        stats["scheduler_lookup_latency_seconds"] += now - state.first_lookup
+        state.first_lookup = None
         hit = min(ready, limit) // block * block
         state.local_tokens = num_computed_tokens
         if hit <= num_computed_tokens:
             return 0, False
+        stats["claimed_tokens"] += hit - num_computed_tokens
         return hit - num_computed_tokens, False
 
     def update_state_after_alloc(
@@ -428,13 +473,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = TieredKVMetadata(release=self._release)
         self._release = []
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        resolve: Callable[[str], Any]
-        if block_state is not None:
-            resolve = block_state.resolve_block_ids
-        elif self._kv_cache_manager is not None:
-            resolve = self._kv_cache_manager.get_block_ids
-        else:  # pragma: no cover - vLLM 0.32 always binds the cache manager
+        manager = self._kv_cache_manager
+
+        def resolve(request_id: str) -> Any:
+            if block_state is not None:
+                return block_state.resolve_block_ids(request_id)
+            if manager is not None:
+                return manager.get_block_ids(request_id)
             raise RuntimeError("TieredKVConnector: no way to resolve block ids")
+
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan(meta, new.req_id, new.num_computed_tokens, scheduled[new.req_id], resolve)
@@ -460,14 +507,25 @@ class TieredKVConnector(KVConnectorBase_V1):
             state.load_pending = False
             block_ids = list(resolve(request_id)[0])
             end = state.load_end
+            # Load through the end of the chunk holding the claim's last token (its stored key
+            # covers the whole chunk), as far as whole blocks vLLM already allocated reach.
+            chunk = self.engine_config.chunk_size
+            through = min(
+                -(-end // chunk) * chunk,
+                state.request.num_tokens // block * block,
+                len(block_ids) * block,
+            )
+            through = max(through, end)
             meta.loads.append(
                 LoadSpec(
                     request_id,
-                    list(state.request.all_token_ids[:end]),
-                    block_ids[: -(-end // block)],
+                    list(state.request.all_token_ids[:through]),
+                    block_ids[: -(-through // block)],
                     state.local_tokens,
+                    claimed_end=end,
                 )
             )
+            state.stored_end = max(state.stored_end, through)  # already in the cache
         if not self._is_producer or not _cacheable(state.request):
             return
         prompt_len = state.request.num_prompt_tokens
@@ -564,5 +622,7 @@ __all__ = [
     "TieredKVConnector",
     "TieredKVConnectorStats",
     "TieredKVMetadata",
+    "SCHEDULER_STATS",
+    "WORKER_STATS",
     "parse_extra_config",
 ]
