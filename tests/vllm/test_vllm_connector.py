@@ -42,7 +42,19 @@ SHARED = _prompt(5, 160)  # chunks [0, 64), [64, 128), [128, 160)
 AFTER_KILL = _prompt(6, 96)
 REDIS_SHARED = _prompt(7, 130)
 ALIGNED = _prompt(8, 128)  # two whole chunks: a repeat must match the second one too
-ALL_PROMPTS = [P1, P2, P1_HEAD, EXTENDED, CHUNKED, SHARED, AFTER_KILL, REDIS_SHARED, ALIGNED]
+LAYERWISE = _prompt(9, 130)  # whole chunks [0, 64) and [64, 128) stored layer by layer
+ALL_PROMPTS = [
+    P1,
+    P2,
+    P1_HEAD,
+    EXTENDED,
+    CHUNKED,
+    SHARED,
+    AFTER_KILL,
+    REDIS_SHARED,
+    ALIGNED,
+    LAYERWISE,
+]
 PREEMPTED = [_prompt(10 + i, 96) for i in range(6)]  # one batch, 64 tokens each
 PREEMPTED_MAX_TOKENS = 64
 
@@ -422,3 +434,27 @@ def test_preemption_releases_everything_held(
         0,
     )
     assert out["failures"] == 0
+
+
+def test_layerwise_stores_and_loads_through_vllms_layer_hooks(
+    model_dir: pathlib.Path,
+    workdir: pathlib.Path,
+    baseline: dict[tuple[int, ...], list[int]],
+) -> None:
+    """``layerwise: true`` on the CPU backend: stores go through ``save_kv_layer`` (committed
+    in ``wait_for_save`` only when every layer was saved), a fresh process loads through
+    ``wait_for_layer_load``; the output never changes and the hit is whole."""
+    l2 = workdir / "l2-layerwise"
+    connector = _connector(l2, layerwise=True)
+    cold = run_vllm(model_dir, workdir, "layerwise-cold", [[LAYERWISE]], connector=connector)
+    assert _outputs(cold) == [baseline[tuple(LAYERWISE)]]
+    engine = cold["engine_stats"]["engine"]
+    assert engine["store_layerwise_calls"] >= 1
+    assert engine["stored_tokens"] == 128  # both whole chunks, committed after every layer
+    assert cold["failures"] == 0
+    warm = run_vllm(model_dir, workdir, "layerwise-warm", [[LAYERWISE]], connector=connector)
+    assert _outputs(warm) == [baseline[tuple(LAYERWISE)]]
+    assert _cached(warm) == [128]  # (130 - 1) // 32 * 32: every claimable block
+    assert warm["engine_stats"]["engine"]["retrieve_layerwise_calls"] >= 1
+    assert warm["engine_stats"]["host"]["loaded_tokens"] == 128
+    assert warm["failures"] == 0

@@ -23,7 +23,8 @@ from tiered_kv.integrations.lookup_channel import LookupServer
 from tiered_kv.keys import TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
-from tiered_kv.sync import SyncTieredKVEngine
+from tiered_kv.retrieval import LayerwiseRetrieve
+from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore, SyncTieredKVEngine
 from tiered_kv.tiers.base import LowerTier
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,38 @@ class EngineHost(SyncTieredKVEngine):
             return result
 
         return self._call(load())
+
+    def load_layerwise(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int,
+        claimed_tokens: int | None = None,
+    ) -> SyncLayerwiseRetrieve:
+        """`load`, layer by layer: returns once the delivered prefix is decided (``result``)
+        and its copies are enqueued; the model waits per layer (``wait_layer``)."""
+        claimed = len(token_ids) if claimed_tokens is None else claimed_tokens
+
+        async def load() -> LayerwiseRetrieve:
+            load = await self._engine.retrieve_layerwise(
+                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens
+            )
+            delivered = min(load.result.valid_tokens, claimed)
+            self.counters.loads += 1
+            self.counters.loaded_tokens += max(delivered - skip_prefix_tokens, 0)
+            self.counters.load_shortfall_tokens += claimed - delivered
+            return load
+
+        return SyncLayerwiseRetrieve(self, self._call(load()))
+
+    def commit_store(self, saver: SyncLayerwiseStore) -> int:
+        """Commit a layerwise store begun with `store_layerwise` (every layer saved); new
+        tokens stored."""
+        stored = saver.commit()
+        self.counters.stores += 1
+        self.counters.stored_tokens += stored
+        return stored
 
     def store(
         self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None

@@ -14,7 +14,10 @@ each worker loads and stores (`TieredKVMetadata`). The **worker** half owns an `
 (the engine on its own loop thread, serving the channel), registers vLLM's per-layer caches,
 loads in `start_load_kv` before the forward pass, stores in `wait_for_save` after it (the copy
 out of the blocks is done when it returns, so vLLM may free them at once), and reports blocks
-whose load fell short so that vLLM recomputes them.
+whose load fell short so that vLLM recomputes them. Layerwise (``EngineConfig.layerwise``, on
+for CUDA caches by default): `start_load_kv` settles and enqueues the loads, each attention
+layer waits for its own layer (`wait_for_layer_load`), `save_kv_layer` copies each layer out
+as it is written, and `wait_for_save` commits (docs/layerwise.md).
 
 Must not: block the scheduler on disk, network or the workers (a lookup answers "ask again"
 until the workers' answer has arrived and their loads are done), claim a partial block, load
@@ -47,6 +50,7 @@ from tiered_kv.integrations.lookup_channel import (
     default_socket_dir,
     socket_path,
 )
+from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -255,6 +259,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._client: LookupClient | None = None
         # worker side
         self._host: EngineHost | None = None
+        self._layerwise = False  # decided at registration (EngineConfig.layerwise)
+        self._layer_index: dict[str, int] = {}  # layer name -> registration order
+        self._loads: list[SyncLayerwiseRetrieve] = []  # this step's layerwise loads
+        self._savers: list[tuple[str, SyncLayerwiseStore]] = []  # this step's layerwise stores
         self._load_errors: set[int] = set()
         self._stats_last: dict[str, float] = {}
         self.load_error_blocks = 0  # blocks reported to vLLM as not loaded (recomputed)
@@ -299,28 +307,45 @@ class TieredKVConnector(KVConnectorBase_V1):
             layout_hints=hints,
         )
         host.serve_lookups(socket_path(self._socket_dir, self._instance_id, rank))
+        layerwise = self.engine_config.layerwise
+        self._layerwise = first.device.type == "cuda" if layerwise is None else layerwise
+        self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         logger.info(
-            "TieredKVConnector: %d layers registered (%s, strides %s, hints %s), rank %d/%d",
+            "TieredKVConnector: %d layers registered (%s, strides %s, hints %s), rank %d/%d, "
+            "%s loads and stores",
             len(kv_caches),
             tuple(first.shape),
             first.stride(),
             hints,
             rank,
             self._world_size,
+            "layerwise" if self._layerwise else "whole",
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()
         host = self._require_host()
+        self._finish_loads()
         for spec in meta.loads:
             end = spec.end
             try:
-                valid = host.load(
-                    spec.token_ids,
-                    spec.block_ids,
-                    skip_prefix_tokens=spec.skip_prefix_tokens,
-                    claimed_tokens=end,
-                ).valid_tokens
+                if self._layerwise:
+                    # Decided now (late or failed chunks included); copies land per layer.
+                    load = host.load_layerwise(
+                        spec.token_ids,
+                        spec.block_ids,
+                        skip_prefix_tokens=spec.skip_prefix_tokens,
+                        claimed_tokens=end,
+                    )
+                    self._loads.append(load)
+                    valid = load.result.valid_tokens
+                else:
+                    valid = host.load(
+                        spec.token_ids,
+                        spec.block_ids,
+                        skip_prefix_tokens=spec.skip_prefix_tokens,
+                        claimed_tokens=end,
+                    ).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
                 logger.warning(
@@ -343,9 +368,26 @@ class TieredKVConnector(KVConnectorBase_V1):
         released = [spec.request_id for spec in meta.loads] + meta.release
         if released:
             host.release(released)
+        if self._layerwise:
+            for store in meta.stores:
+                try:
+                    saver = host.store_layerwise(store.token_ids, store.block_ids)
+                except Exception:
+                    self.failures += 1
+                    logger.warning(
+                        "TieredKVConnector: store of %s failed", store.request_id, exc_info=True
+                    )
+                    continue
+                self._savers.append((store.request_id, saver))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv (layerwise loading is the next issue)
+        """Layerwise: the current stream waits for this layer of every load of the step (a GPU
+        wait; on CPU caches the thread waits for the copy)."""
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        for load in self._loads:
+            load.wait_layer(index)
 
     def save_kv_layer(
         self,
@@ -354,13 +396,36 @@ class TieredKVConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # stores run whole in wait_for_save, after every layer has landed
+        """Layerwise: copy this layer of the step's stores out, after the work that wrote it
+        (an event on the current stream); whole stores run in `wait_for_save`."""
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        for request_id, saver in self._savers:
+            try:
+                saver.save_layer(index)
+            except Exception:
+                self.failures += 1
+                logger.warning(
+                    "TieredKVConnector: saving layer %s of %s failed",
+                    layer_name,
+                    request_id,
+                    exc_info=True,
+                )
 
     def wait_for_save(self) -> None:
-        meta = self._metadata()
-        if not meta.stores:
-            return
         host = self._require_host()
+        savers, self._savers = self._savers, []
+        for request_id, saver in savers:
+            try:
+                host.commit_store(saver)  # stores nothing unless every layer was saved
+            except Exception:  # a failed store is a future miss, never a failed request
+                self.failures += 1
+                logger.warning("TieredKVConnector: store of %s failed", request_id, exc_info=True)
+        self._finish_loads()
+        meta = self._metadata()
+        if self._layerwise or not meta.stores:
+            return
         for spec in meta.stores:
             try:
                 host.store(spec.token_ids, spec.block_ids)
@@ -369,6 +434,18 @@ class TieredKVConnector(KVConnectorBase_V1):
                 logger.warning(
                     "TieredKVConnector: store of %s failed", spec.request_id, exc_info=True
                 )
+
+    def _finish_loads(self) -> None:
+        """Drop the host references of the step's layerwise loads (the model has waited for
+        every layer by now). A load that failed on the GPU is logged: a CUDA error there has
+        broken the context for the model's kernels too."""
+        loads, self._loads = self._loads, []
+        for load in loads:
+            try:
+                load.wait()
+            except Exception:
+                self.failures += 1
+                logger.warning("TieredKVConnector: a layerwise load failed", exc_info=True)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if finished_req_ids and self._host is not None:
