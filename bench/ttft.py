@@ -29,9 +29,23 @@ Bounds, measured in the same run: the pinned host-to-device copy ceiling (so a l
 ``KV bytes / ceiling``), and the prefill of the uncached tokens with the prefix already in the
 paged cache ("compute"). Whole loads are bounded by ``load + compute``, layerwise ones by
 ``max(load, compute)``, the physical speedup over recomputing by ``recompute / max(load,
-compute)``. Logits after every load must equal those of the same prefill over the resident
-prefix bit for bit (whole, layerwise, every tier); against recomputing the whole prompt they
-must agree within bf16 tolerance (see `RECOMPUTE_TOLERANCE`).
+compute)``.
+
+Correctness, in the same run. Every case's first run is a correctness pass, untimed, with
+torch's deterministic algorithms (`deterministic`: ``use_deterministic_algorithms``, cuDNN
+attention off, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` set before CUDA starts); the timed runs use
+the default kernels. Checks, each printed with its numbers at the end:
+- reproducibility (first): the prefill over the resident prefix, twice, bit for bit. Where it is
+  not reproducible even so, that is printed, and that case's loads are checked within
+  `SAME_PREFIX_COSINE` instead of bit for bit (never silently);
+- bit-exact (same math): the logits after every load (whole, layerwise, every tier) equal those
+  of the prefill over the resident prefix; a prefill with a layerwise store equals one without;
+- timed runs (default kernels, which may pick another attention kernel): finite (a slot no load
+  wrote reads as NaN) and cosine >= `SAME_PREFIX_COSINE` to the deterministic reference;
+- separation from recomputing (different math: other GEMM shapes, other attention kernels):
+  cosine of every load's logits to those of recomputing the whole prompt >= `RECOMPUTE_COSINE`,
+  and at least 1 / `CONTROL_DISTANCE_RATIO` times closer (in 1 - cosine) than a negative
+  control: the same prefill over another prompt's KV.
 
 Prints progress, then the checks, break-even lengths and a table last; ``--json PATH`` writes
 every figure, ``--png PATH`` the plots. Exits 1 when a correctness check fails.
@@ -79,12 +93,73 @@ GiB = 1 << 30
 MODEL_NAME = "llama3-8b-shaped"
 FRACTIONS = (0, 50, 100)
 # Logits after loading vs after recomputing the whole prompt: the prefix KV is the same bits,
-# but the rest is computed with other GEMM shapes and another attention kernel (a masked one
-# for a partial prompt), so bf16 rounding differs. Both must hold: max |diff| <= rel x max
-# |logit| of the recompute, and cosine similarity >= cosine. For scale, on CPU with a 32-layer
-# random Llama (hidden 512): the bf16 model against the same weights in float32 differs by
-# 1.3% of max |logit| (cosine 0.99993); a wrong prefix (another prompt's KV) gives cosine 0.08.
-RECOMPUTE_TOLERANCE = {"rel": 0.04, "cosine": 0.999}
+# but the rest is computed with other GEMM shapes (M=1 against M=N) and another attention
+# kernel (a masked one for a partial prompt), so bf16 rounding differs: on an H100 (first run,
+# Llama-3-8B shapes, 2k-32k tokens) by up to 4.9% of max |logit|, cosine 0.99886 at worst. A
+# fixed max |diff| threshold guessed on CPU failed there; the honest check is a separation:
+# load vs recompute must reach RECOMPUTE_COSINE (8x the worst distance seen, 1 - 0.99886), and
+# be CONTROL_DISTANCE_RATIO times closer (1 - cosine) than the same prefill over another
+# prompt's KV, measured in the same run (on CPU with a 32-layer random Llama the control gives
+# cosine 0.08; with the 2-layer tiny test model 0.57-0.88, hence a ratio and not a fixed bound).
+RECOMPUTE_COSINE = 0.99
+CONTROL_DISTANCE_RATIO = 0.1
+# Same prefix and same math but not bit-exact comparisons: timed runs (default kernels; may
+# pick another attention kernel than the deterministic pass) and, where the deterministic
+# reference is not reproducible, its loads. A missing load reads NaN (poisoned slots), a
+# wrong prompt's KV gives the control's cosine; kernel choice alone moved the H100's logits by
+# 1.4% of max |logit| (0.079, 2k tokens, one token over 2047 cached).
+SAME_PREFIX_COSINE = 0.99
+# cuBLAS is reproducible run to run only with a fixed workspace configuration.
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+@contextlib.contextmanager
+def deterministic(device: torch.device) -> Iterator[None]:
+    """One correctness pass with torch's deterministic algorithms (global state: the model's
+    thread and the engine's loop both see it); restores the previous settings after.
+
+    cuDNN attention is switched off explicitly as well (sdpa skips it in deterministic mode
+    anyway). Filling fresh allocations with NaN is left off: the engine's mover allocates
+    staging memory on the loop thread's stream and orders its copies on its own streams, so a
+    fill there would race with them - an artefact of the check, not of the engine.
+    """
+    import torch.utils.deterministic as det
+
+    if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (
+        DETERMINISTIC_CUBLAS
+    ):
+        raise RuntimeError(
+            "deterministic passes need CUBLAS_WORKSPACE_CONFIG in "
+            f"{DETERMINISTIC_CUBLAS} before CUDA starts (got "
+            f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')!r})"
+        )
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = det.fill_uninitialized_memory  # type: ignore[attr-defined]
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
+        det.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def compare(reference: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
+    """Max |diff|, max |logit| of the reference and cosine similarity of two logit vectors."""
+    same_shape = reference.shape == got.shape
+    return {
+        "max_abs_diff": (reference - got).abs().max().item() if same_shape else math.nan,
+        "max_abs_logit": reference.abs().max().item(),
+        "cosine": (
+            torch.nn.functional.cosine_similarity(reference, got, dim=0).item()
+            if same_shape
+            else math.nan
+        ),
+    }
 
 
 _STARTED = time.perf_counter()
@@ -192,6 +267,8 @@ class Report:
     slowdown: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    # Whether the default kernels (timed runs) gave the same bits run to run; not a check.
+    default_kernels: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     gpu_peak_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     wall_s: float = 0.0
     # First-run logits (float32, host) by (tokens, cached %, source, mode); not in the JSON.
@@ -205,7 +282,9 @@ class Report:
 
     @property
     def failed_checks(self) -> list[dict[str, Any]]:
-        return [c for c in self.checks if not c["ok"]]
+        """Failed checks; a reference that is not reproducible is reported, not failed (its
+        loads are then checked within tolerance)."""
+        return [c for c in self.checks if not c["ok"] and c["kind"] != "reproducibility"]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -219,6 +298,7 @@ class Report:
             "slowdown": self.slowdown,
             "checks": self.checks,
             "skipped": self.skipped,
+            "default_kernels": self.default_kernels,
             "gpu_peak_bytes": self.gpu_peak_bytes,
             "break_even": break_even(self),
             "wall_s": self.wall_s,
@@ -468,63 +548,146 @@ class Bench:
         self.h2d = report.h2d_gbps * 1e9
         self.recompute_s: dict[int, float] = {}
         self.compute_s: dict[tuple[int, int], float] = {}  # (tokens, pct) -> resident compute
+        # Deterministic references, by (tokens, cached %): the recompute of the whole prompt
+        # (0%: the fresh prompt), the prefill over the resident prefix, the control.
         self.recompute_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.resident_logits: dict[tuple[int, int], torch.Tensor] = {}
+        # Whether a deterministic reference gave the same bits twice, by (tokens, cached %);
+        # cached % 0 stands for the recompute of the whole prompt.
+        self.reproducible: dict[tuple[int, int], bool] = {}
+
+    def deterministic(self) -> contextlib.AbstractContextManager[None]:
+        return deterministic(self.runner.device)
+
+    async def checked_prefill(
+        self, request: Request, prefix: int, **kwargs: Any
+    ) -> tuple[torch.Tensor, float]:
+        """A correctness pass: one prefill with deterministic kernels; logits and seconds."""
+        with self.deterministic():
+            self.runner.sync()
+            start = time.perf_counter()
+            logits = await self.runner.prefill(request, prefix, **kwargs)
+            return logits, time.perf_counter() - start
 
     # .. timing helpers .........................................................................
     async def timed_prefill(
-        self, request: Request, prefix: int, reps: int
-    ) -> tuple[list[float], torch.Tensor]:
+        self, what: str, request: Request, prefix: int, reference: torch.Tensor
+    ) -> list[float]:
+        """One warm-up and ``reps`` timed prefills on the default kernels, each checked against
+        the deterministic ``reference`` (`check_timed`)."""
         times: list[float] = []
-        logits = torch.empty(0)
-        for i in range(reps + 1):  # the first is a warm-up
+        outputs: list[torch.Tensor] = []
+        for i in range(self.opts.reps + 1):  # the first is a warm-up
             self.runner.sync()
             start = time.perf_counter()
             out = await self.runner.prefill(request, prefix)
             elapsed = time.perf_counter() - start
-            if i == 0:
-                logits = out
-            else:
+            outputs.append(out)
+            if i:
                 times.append(elapsed)
-                self.same_logits(f"{request.name} prefill from {prefix} (rep {i})", logits, out)
-        return times, logits
+                self.check_timed(f"{what} (timed run {i})", reference, out)
+        self.note_default_kernels(what, outputs)
+        return times
 
+    def note_default_kernels(self, what: str, outputs: Sequence[torch.Tensor]) -> None:
+        """Whether the default kernels gave the same bits in every run (information for the
+        docs, not a check: the timed runs are not required to be reproducible)."""
+        worst = max((compare(outputs[0], out)["max_abs_diff"] for out in outputs[1:]), default=0.0)
+        same = all(torch.equal(outputs[0], out) for out in outputs[1:])
+        self.report.default_kernels.append(
+            {"what": what, "runs": len(outputs), "bit_identical": same, "max_abs_diff": worst}
+        )
+        if not same:
+            log(
+                f"note: {what}: the default kernels are not reproducible run to run "
+                f"(max |diff| {worst:.4g} over {len(outputs)} runs); the deterministic pass is"
+            )
+
+    # .. checks (recorded, not raised, so that every figure still prints) .......................
     def same_logits(self, what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-        """Bit-exact check, recorded (not raised) so that every figure still prints."""
+        """Bit-exact: the same math on deterministic kernels."""
         ok = bool(torch.equal(expected, got))
-        diff = (expected - got).abs().max().item() if expected.shape == got.shape else math.nan
+        diff = compare(expected, got)["max_abs_diff"]
         self.report.checks.append(
             {"check": what, "kind": "bit-exact", "ok": ok, "max_abs_diff": diff}
         )
         if not ok:
             log(f"CHECK FAILED: {what}: logits differ (bit-exact expected; max |diff| {diff})")
 
-    def close_logits(self, what: str, reference: torch.Tensor, got: torch.Tensor) -> None:
-        diff = (reference - got).abs().max().item()
-        scale = reference.abs().max().item()
-        cosine = torch.nn.functional.cosine_similarity(reference, got, dim=0).item()
-        ok = (
-            math.isfinite(diff)
-            and diff <= RECOMPUTE_TOLERANCE["rel"] * scale
-            and cosine >= RECOMPUTE_TOLERANCE["cosine"]
-        )
-        same_token = int(reference.argmax()) == int(got.argmax())
+    def close_logits(
+        self, what: str, reference: torch.Tensor, got: torch.Tensor, kind: str
+    ) -> None:
+        """Same prefix, not the same bits expected: finite and cosine >= SAME_PREFIX_COSINE."""
+        numbers = compare(reference, got)
+        ok = bool(torch.isfinite(got).all()) and numbers["cosine"] >= SAME_PREFIX_COSINE
+        self.report.checks.append({"check": what, "kind": kind, "ok": ok, **numbers})
+        if not ok:
+            log(
+                f"CHECK FAILED: {what}: cosine {numbers['cosine']:.6f} to the reference "
+                f"(>= {SAME_PREFIX_COSINE} and finite expected), max |diff| "
+                f"{numbers['max_abs_diff']:.4g}"
+            )
+
+    def check_timed(self, what: str, reference: torch.Tensor, got: torch.Tensor) -> None:
+        self.close_logits(what, reference, got, "timed")
+
+    def check_against(
+        self, what: str, key: tuple[int, int], reference: torch.Tensor, got: torch.Tensor
+    ) -> None:
+        """Bit-exact where the deterministic reference ``key`` is reproducible; otherwise within
+        tolerance, and the check's kind says so."""
+        if self.reproducible.get(key, True):
+            self.same_logits(what, reference, got)
+        else:
+            self.close_logits(what, reference, got, "tolerance (reference not reproducible)")
+
+    def check_reproducible(
+        self, what: str, key: tuple[int, int], first: torch.Tensor, second: torch.Tensor
+    ) -> None:
+        ok = bool(torch.equal(first, second))
+        self.reproducible[key] = ok
         self.report.checks.append(
-            {
-                "check": what,
-                "kind": "bf16 tolerance",
-                "ok": ok,
-                "max_abs_diff": diff,
-                "max_abs_logit": scale,
-                "cosine": cosine,
-                "same_argmax": same_token,
-            }
+            {"check": what, "kind": "reproducibility", "ok": ok, **compare(first, second)}
         )
         if not ok:
             log(
-                f"CHECK FAILED: {what}: max |diff| {diff:.4g} vs max |logit| {scale:.4g}, "
-                f"cosine {cosine:.6f} (tolerance {RECOMPUTE_TOLERANCE})"
+                f"REFERENCE NOT REPRODUCIBLE: {what}: max |diff| "
+                f"{compare(first, second)['max_abs_diff']:.4g} with deterministic kernels; "
+                f"checks against it use cosine >= {SAME_PREFIX_COSINE} instead of bit-exact"
             )
+
+    def separation(self, n: int, pct: int) -> None:
+        """Every load of ``n`` tokens, ``pct`` cached (and the resident prefix) against
+        recomputing the whole prompt, beside the control (another prompt's KV)."""
+        recompute = self.recompute_logits[(n, pct)]
+        control = compare(recompute, self.report.logits[(n, pct, "control", "-")])
+        loads = [
+            (key, compare(recompute, logits))
+            for key, logits in self.report.logits.items()
+            if key[:2] == (n, pct) and key[2] not in ("recompute", "control")
+        ]
+        worst_key, worst = min(loads, key=lambda item: item[1]["cosine"])
+        max_diff = max(numbers["max_abs_diff"] for _, numbers in loads)
+        ok = (
+            math.isfinite(max_diff)
+            and worst["cosine"] >= RECOMPUTE_COSINE
+            and 1.0 - worst["cosine"] <= CONTROL_DISTANCE_RATIO * (1.0 - control["cosine"])
+        )
+        check = {
+            "check": f"{n} tokens, {pct}% cached: loads vs recompute, beside the control",
+            "kind": "separation",
+            "ok": ok,
+            "loads": len(loads),
+            "worst_load": " ".join(k for k in worst_key[2:] if k != "-"),
+            "cosine": worst["cosine"],
+            "max_abs_diff": max_diff,
+            "max_abs_logit": worst["max_abs_logit"],
+            "control_cosine": control["cosine"],
+            "control_max_abs_diff": control["max_abs_diff"],
+        }
+        self.report.checks.append(check)
+        if not ok:
+            log(f"CHECK FAILED: {separation_text(check)}")
 
     # .. phase 1: recompute, stores, resident compute ...........................................
     async def prefill_phase(
@@ -536,12 +699,18 @@ class Bench:
     ) -> None:
         reps = self.opts.reps
         stored = requests[100]
-        times, logits = await self.timed_prefill(stored, 0, reps)
+        reference, _ = await self.checked_prefill(stored, 0)
+        again, _ = await self.checked_prefill(stored, 0)
+        self.check_reproducible(f"{n} tokens: recompute, twice", (n, 0), reference, again)
+        self.recompute_logits[(n, 100)] = self.report.logits[(n, 100, "recompute", "-")] = reference
+        times = await self.timed_prefill(f"{n} tokens, recompute", stored, 0, reference)
         self.recompute_s[n] = median(times)
-        self.recompute_logits[(n, 100)] = self.report.logits[(n, 100, "recompute", "-")] = logits
         self.add(Case(n, 0, "recompute", "-", median(times), times, recompute_s=median(times)))
         log(f"[{n}] recompute prefill: {1e3 * median(times):.1f} ms (median of {reps})")
+        await self.store_slowdown(n, stored, l1, reference)
         if writer is not None:
+            # From the paged cache as the last layerwise store left it: L2/L3 hold the same
+            # bytes as L1, so every tier's loads match one resident-prefix reference.
             start = time.perf_counter()
             stored_tokens = await writer.store(stored.host_ids, stored.block_ids)
             await writer.flush()
@@ -550,13 +719,23 @@ class Bench:
                 raise RuntimeError(f"[{n}] L2/L3 writer stored {stored_tokens} of {n} tokens")
             await writer.evict_l1()
             log(f"[{n}] stored to L2 + L3 (write-through, flushed) in {elapsed:.2f} s")
-        await self.store_slowdown(n, stored, l1)
         # The paged cache holds the stored prompt's KV now: prefill the rest over it.
         for pct in (100, 50):  # 50% writes its own second half: after 100%
             request = requests[pct]
-            times, logits = await self.timed_prefill(request, request.compute_from, reps)
+            prefix = request.compute_from
+            first, _ = await self.checked_prefill(request, prefix)
+            second, det_s = await self.checked_prefill(request, prefix)
+            self.check_reproducible(
+                f"{n} tokens, {pct}% cached: prefill over the resident prefix, twice",
+                (n, pct),
+                first,
+                second,
+            )
+            self.resident_logits[(n, pct)] = self.report.logits[(n, pct, "compute", "-")] = first
+            times = await self.timed_prefill(
+                f"{n} tokens, {pct}% cached, resident prefix", request, prefix, first
+            )
             self.compute_s[(n, pct)] = median(times)
-            self.resident_logits[(n, pct)] = self.report.logits[(n, pct, "compute", "-")] = logits
             self.add(
                 Case(
                     n,
@@ -565,55 +744,84 @@ class Bench:
                     "-",
                     median(times),
                     times,
-                    prefix_tokens=request.compute_from,
+                    prefix_tokens=prefix,
                     recompute_s=self.recompute_s[n],
                 )
             )
             log(
-                f"[{n}] prefill of the uncached {n - request.compute_from} tokens over a "
-                f"resident prefix of {request.compute_from}: {1e3 * median(times):.1f} ms"
+                f"[{n}] prefill of the uncached {n - prefix} tokens over a resident prefix of "
+                f"{prefix}: {1e3 * median(times):.1f} ms (deterministic kernels, second pass: "
+                f"{1e3 * det_s:.1f} ms)"
             )
-        half = requests[50]
-        logits = await self.runner.prefill(half, 0)
-        self.recompute_logits[(n, 50)] = self.report.logits[(n, 50, "recompute", "-")] = logits
-        for pct in (50, 100):
-            self.close_logits(
-                f"{n} tokens, {pct}% cached: resident prefix vs recompute",
-                self.recompute_logits[(n, pct)],
-                self.resident_logits[(n, pct)],
-            )
+        await self.references(n, requests)
 
-    async def store_slowdown(self, n: int, request: Request, engine: TieredKVEngine) -> None:
+    async def references(self, n: int, requests: dict[int, Request]) -> None:
+        """Deterministic recomputes of the 50% and the fresh prompt, then the controls: the
+        100% and 50% prompts over the fresh prompt's KV (the block table is shared). They
+        overwrite the paged cache: after the resident-prefix references."""
+        half, fresh = requests[50], requests[0]
+        logits, _ = await self.checked_prefill(half, 0)
+        self.recompute_logits[(n, 50)] = self.report.logits[(n, 50, "recompute", "-")] = logits
+        logits, _ = await self.checked_prefill(fresh, 0)
+        self.recompute_logits[(n, 0)] = self.report.logits[(n, 0, "recompute", "-")] = logits
+        for pct in (100, 50):
+            request = requests[pct]
+            logits, _ = await self.checked_prefill(request, request.compute_from)
+            self.report.logits[(n, pct, "control", "-")] = logits
+
+    async def store_slowdown(
+        self, n: int, request: Request, engine: TieredKVEngine, reference: torch.Tensor
+    ) -> None:
         """Alternating prefills without and with a layerwise store; the last store stays, so the
-        L1 loads read what the layerwise store wrote."""
+        L1 loads read what the layerwise store wrote. The first pair (a warm-up, untimed) runs
+        on deterministic kernels and is checked bit for bit; the timed pairs are checked
+        against ``reference`` (`check_timed`)."""
         ratios: list[float] = []
         plain: list[float] = []
         saving: list[float] = []
         visible: list[float] = []
         reps = self.opts.reps
         for i in range(reps + 1):
-            self.runner.sync()
-            start = time.perf_counter()
-            reference = await self.runner.prefill(request, 0)
-            t_plain = time.perf_counter() - start
-            saver = await engine.store_layerwise(request.host_ids, request.block_ids)
-            if saver.new_tokens != n:
-                raise RuntimeError(f"[{n}] layerwise store would store {saver.new_tokens} of {n}")
-            self.runner.sync()
-            start = time.perf_counter()
-            try:
-                logits = await self.runner.prefill(request, 0, on_layer_written=saver.save_layer)
-            except BaseException:
-                await saver.abort()
-                raise
-            t_saving = time.perf_counter() - start
-            stored = await saver.commit()
-            t_visible = time.perf_counter() - start
+            checked = i == 0
+            with self.deterministic() if checked else contextlib.nullcontext():
+                self.runner.sync()
+                start = time.perf_counter()
+                without = await self.runner.prefill(request, 0)
+                t_plain = time.perf_counter() - start
+                saver = await engine.store_layerwise(request.host_ids, request.block_ids)
+                if saver.new_tokens != n:
+                    raise RuntimeError(
+                        f"[{n}] layerwise store would store {saver.new_tokens} of {n}"
+                    )
+                self.runner.sync()
+                start = time.perf_counter()
+                try:
+                    logits = await self.runner.prefill(
+                        request, 0, on_layer_written=saver.save_layer
+                    )
+                except BaseException:
+                    await saver.abort()
+                    raise
+                t_saving = time.perf_counter() - start
+                stored = await saver.commit()
+                t_visible = time.perf_counter() - start
             if stored != n:
                 raise RuntimeError(f"[{n}] layerwise store committed {stored} of {n} tokens")
-            self.same_logits(
-                f"{n} tokens: prefill with layerwise store (rep {i})", reference, logits
-            )
+            if checked:
+                self.check_against(
+                    f"{n} tokens: recompute in the store's pass vs before",
+                    (n, 0),
+                    reference,
+                    without,
+                )
+                self.check_against(
+                    f"{n} tokens: prefill with layerwise store vs without", (n, 0), without, logits
+                )
+            else:
+                self.check_timed(f"{n} tokens: prefill (timed run {i})", reference, without)
+                self.check_timed(
+                    f"{n} tokens: prefill with layerwise store (timed run {i})", reference, logits
+                )
             if i < reps:
                 await engine.evict_l1()  # the next store must copy again
             if i == 0:
@@ -649,12 +857,11 @@ class Bench:
         modes: Sequence[str] = ("whole", "layerwise"),
         fractions: Sequence[int] = FRACTIONS,
         reps: int | None = None,
-        warmup: bool = True,
     ) -> None:
         reps = self.opts.reps if reps is None else reps
         for pct in fractions:
             for mode in modes if pct else ("-",):
-                await self.load_case(engine, tier, mode, n, requests[pct], pct, reset, reps, warmup)
+                await self.load_case(engine, tier, mode, n, requests[pct], pct, reset, reps)
 
     async def load_case(
         self,
@@ -666,50 +873,48 @@ class Bench:
         pct: int,
         reset: Callable[[], Awaitable[None]] | None,
         reps: int,
-        warmup: bool,
     ) -> None:
+        """A correctness pass (deterministic kernels, untimed; also the warm-up), then ``reps``
+        timed runs on the default kernels; ``reset`` runs before each."""
         times: list[float] = []
-        first: torch.Tensor | None = None
         loaded = prefix = 0
-        for i in range(reps + int(warmup)):
+        # 0% cached: a full prefill of the fresh prompt (lookup misses).
+        reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
+        for i in range(reps + 1):
             if reset is not None:
                 await reset()
             self.paged.poison(request.block_ids)  # what no load writes reads as NaN
-            self.runner.sync()
-            start = time.perf_counter()
-            hit = await engine.lookup(request.host_ids)
-            load = None
-            loaded = 0
-            if hit:
-                if mode == "layerwise":
-                    load = await engine.retrieve_layerwise(request.host_ids, request.block_ids)
-                    result = load.result
-                else:
-                    result = await engine.retrieve_detailed(request.host_ids, request.block_ids)
-                loaded = result.valid_tokens
-            prefix = min(loaded, n - 1)
-            logits = await self.runner.prefill(request, prefix, load=load)
-            elapsed = time.perf_counter() - start
-            if load is not None:
-                await load.wait()
+            checked = i == 0
+            with self.deterministic() if checked else contextlib.nullcontext():
+                self.runner.sync()
+                start = time.perf_counter()
+                hit = await engine.lookup(request.host_ids)
+                load = None
+                loaded = 0
+                if hit:
+                    if mode == "layerwise":
+                        load = await engine.retrieve_layerwise(request.host_ids, request.block_ids)
+                        result = load.result
+                    else:
+                        result = await engine.retrieve_detailed(request.host_ids, request.block_ids)
+                    loaded = result.valid_tokens
+                prefix = min(loaded, n - 1)
+                logits = await self.runner.prefill(request, prefix, load=load)
+                elapsed = time.perf_counter() - start
+                if load is not None:
+                    await load.wait()
             if hit != request.cached_tokens or loaded != request.cached_tokens:
                 raise RuntimeError(
                     f"[{n}] {tier} {mode} {pct}%: lookup found {hit}, retrieve delivered "
                     f"{loaded}; expected {request.cached_tokens} cached tokens"
                 )
-            if first is None:
-                first = self.report.logits[(n, pct, tier, mode)] = logits
-                if pct:
-                    self.same_logits(
-                        f"{n} tokens, {pct}% cached, {tier} {mode} vs resident prefix",
-                        self.resident_logits[(n, pct)],
-                        logits,
-                    )
+            name = f"{n} tokens, {pct}% cached, {tier}" + (f" {mode}" if pct else "")
+            if checked:
+                self.report.logits[(n, pct, tier, mode)] = logits
+                against = "resident prefix" if pct else "recompute"
+                self.check_against(f"{name} vs {against}", (n, pct), reference, logits)
             else:
-                self.same_logits(
-                    f"{n} tokens, {pct}% cached, {tier} {mode} (rep {i})", first, logits
-                )
-            if i >= int(warmup):
+                self.check_timed(f"{name} (timed run {i})", reference, logits)
                 times.append(elapsed)
         ttft = median(times)
         load_bound = loaded * self.opts.shape.kv_bytes_per_token / self.h2d if loaded else None
@@ -751,6 +956,10 @@ async def run_bench(opts: Options) -> Report:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/ttft.py: no CUDA device (use --device cpu --tiny on CPU)")
+    if device.type == "cuda":
+        # Read once, when cuBLAS first runs: set before any CUDA work (the timed runs use it
+        # too; deterministic passes refuse any other value).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     import transformers
 
     options: dict[str, Any] = dataclasses.asdict(opts)
@@ -834,6 +1043,9 @@ async def run_bench(opts: Options) -> Report:
     finally:
         runner.close()
         shutil.rmtree(workdir, ignore_errors=True)
+    for n in opts.lengths:
+        for pct in (50, 100):
+            bench.separation(n, pct)
     report.wall_s = time.perf_counter() - started
     return report
 
@@ -875,7 +1087,8 @@ async def l2_phase(
         for n in opts.lengths:
             for pct in (50, 100):
                 request = all_requests[n][pct]
-                estimate = 2 * request.cached_tokens * opts.shape.kv_bytes_per_token / disk
+                # Two modes, each a correctness pass and a timed run: four cold reads.
+                estimate = 4 * request.cached_tokens * opts.shape.kv_bytes_per_token / disk
                 if estimate > budget:
                     note = (
                         f"L2 cold {n} tokens {pct}%: skipped, about {estimate:.0f} s of disk reads "
@@ -893,7 +1106,6 @@ async def l2_phase(
                     reset=cold,
                     fractions=(pct,),
                     reps=1,
-                    warmup=False,
                 )
 
 
@@ -1019,19 +1231,89 @@ def summary_lines(report: Report) -> list[str]:
         )
     for note in report.skipped:
         lines.append(f"skipped: {note}")
-    bad = report.failed_checks
-    exact = [c for c in report.checks if c["kind"] == "bit-exact"]
-    close = [c for c in report.checks if c["kind"] != "bit-exact"]
-    worst = max((c["max_abs_diff"] / max(c["max_abs_logit"], 1e-30) for c in close), default=0.0)
-    lines.append(
-        f"correctness: {len(exact) - sum(1 for c in bad if c['kind'] == 'bit-exact')}/"
-        f"{len(exact)} bit-exact logit checks (loads vs resident prefix, whole vs layerwise, "
-        f"every tier), {len(close) - sum(1 for c in bad if c['kind'] != 'bit-exact')}/"
-        f"{len(close)} within bf16 tolerance of recomputing (max |diff| <= "
-        f"{RECOMPUTE_TOLERANCE['rel']:.0%} of max |logit|, cosine >= "
-        f"{RECOMPUTE_TOLERANCE['cosine']}; worst {worst:.2%})"
+    lines.extend(correctness_lines(report))
+    return lines
+
+
+def separation_text(check: dict[str, Any]) -> str:
+    scale = max(check["max_abs_logit"], 1e-30)
+    return (
+        f"{check['check']}: {check['loads']} loads, worst cosine {check['cosine']:.5f} "
+        f"({check['worst_load']}), max |diff| {check['max_abs_diff']:.4g} "
+        f"({check['max_abs_diff'] / scale:.1%} of max |logit| {check['max_abs_logit']:.4g}); "
+        f"control (another prompt's KV) cosine {check['control_cosine']:.4f}, max |diff| "
+        f"{check['control_max_abs_diff']:.4g}; required cosine >= {RECOMPUTE_COSINE} and "
+        f"1 - cosine <= {CONTROL_DISTANCE_RATIO} x the control's: "
+        + ("ok" if check["ok"] else "FAILED")
     )
-    for check in bad:
+
+
+def correctness_lines(report: Report) -> list[str]:
+    """Which checks are bit-exact and which are tolerance-based, with the measured numbers."""
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for check in report.checks:
+        by_kind.setdefault(check["kind"], []).append(check)
+
+    def passed(kind: str) -> str:
+        checks = by_kind.get(kind, [])
+        return f"{sum(c['ok'] for c in checks)}/{len(checks)}"
+
+    lines = []
+    repro = by_kind.get("reproducibility", [])
+    not_repro = [c for c in repro if not c["ok"]]
+    lines.append(
+        "correctness, reproducibility (bit-exact, deterministic kernels): "
+        f"{passed('reproducibility')} references gave the same bits twice (the recompute; "
+        "the prefill over the resident prefix)"
+        + (
+            "; NOT reproducible: "
+            + "; ".join(f"{c['check']} (max |diff| {c['max_abs_diff']:.4g})" for c in not_repro)
+            + f" - checks against them use cosine >= {SAME_PREFIX_COSINE} instead"
+            if not_repro
+            else ""
+        )
+    )
+    lines.append(
+        f"correctness, bit-exact (same math, deterministic kernels): {passed('bit-exact')} "
+        "(every load, whole and layerwise, every tier, vs the prefill over the resident prefix; "
+        "0% cached vs recompute; prefill with a layerwise store vs without)"
+    )
+    fallback = by_kind.get("tolerance (reference not reproducible)", [])
+    if fallback:
+        worst = min(c["cosine"] for c in fallback)
+        lines.append(
+            f"correctness, tolerance (reference not reproducible; finite, cosine >= "
+            f"{SAME_PREFIX_COSINE}): {passed('tolerance (reference not reproducible)')}, worst "
+            f"cosine {worst:.6f}, max |diff| {max(c['max_abs_diff'] for c in fallback):.4g}"
+        )
+    timed = by_kind.get("timed", [])
+    if timed:
+        worst_timed = min(timed, key=lambda c: c["cosine"])
+        lines.append(
+            f"correctness, tolerance (timed runs on the default kernels vs the deterministic "
+            f"reference; finite, cosine >= {SAME_PREFIX_COSINE}): {passed('timed')}, worst "
+            f"cosine {worst_timed['cosine']:.6f}, max |diff| "
+            f"{max(c['max_abs_diff'] for c in timed):.4g} (max |logit| "
+            f"{worst_timed['max_abs_logit']:.4g})"
+        )
+    for check in by_kind.get("separation", []):
+        lines.append(
+            "correctness, separation from recomputing (different math): " + separation_text(check)
+        )
+    noisy = [k for k in report.default_kernels if not k["bit_identical"]]
+    if report.default_kernels:
+        lines.append(
+            f"default kernels (information, not a check): the same bits run to run in "
+            f"{len(report.default_kernels) - len(noisy)}/{len(report.default_kernels)} timed "
+            "prefill sets"
+            + (
+                "; not in: "
+                + "; ".join(f"{k['what']} (max |diff| {k['max_abs_diff']:.4g})" for k in noisy)
+                if noisy
+                else ""
+            )
+        )
+    for check in report.failed_checks:
         lines.append(f"FAILED: {check['check']} ({check['kind']})")
     return lines
 
