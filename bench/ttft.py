@@ -148,6 +148,11 @@ def deterministic(device: torch.device) -> Iterator[None]:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
+def nan_low(value: float) -> float:
+    """``value``, with NaN as -inf (the worst, where larger is better)."""
+    return -math.inf if math.isnan(value) else value
+
+
 def compare(reference: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
     """Max |diff|, max |logit| of the reference and cosine similarity of two logit vectors."""
     same_shape = reference.shape == got.shape
@@ -666,8 +671,9 @@ class Bench:
             for key, logits in self.report.logits.items()
             if key[:2] == (n, pct) and key[2] not in ("recompute", "control")
         ]
-        worst_key, worst = min(loads, key=lambda item: item[1]["cosine"])
-        max_diff = max(numbers["max_abs_diff"] for _, numbers in loads)
+        # NaN (a slot no load wrote) is the worst of all.
+        worst_key, worst = min(loads, key=lambda item: nan_low(item[1]["cosine"]))
+        max_diff = max(-nan_low(-numbers["max_abs_diff"]) for _, numbers in loads)
         ok = (
             math.isfinite(max_diff)
             and worst["cosine"] >= RECOMPUTE_COSINE

@@ -183,6 +183,11 @@ def test_separation_needs_the_loads_far_closer_to_recompute_than_the_control() -
         check = bench.report.checks[-1]
         assert check["kind"] == "separation" and check["loads"] == 2
         assert check["ok"] is ok, (control_mix, load_mix, check)
+    # A load with a NaN (a slot it never wrote) is the worst load, and fails.
+    logits[(2048, 100, "L3", "layerwise")] = torch.full_like(recompute, math.nan)
+    bench.separation(2048, 100)
+    check = bench.report.checks[-1]
+    assert not check["ok"] and check["worst_load"] == "L3 layerwise"
 
 
 def test_deterministic_passes_restore_the_default_kernels() -> None:
