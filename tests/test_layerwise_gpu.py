@@ -205,6 +205,12 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
         waiting = torch.cuda.Stream()
         waited_copy = torch.empty_like(caches.physical[2][:, dst_index])
         reader_started = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(waiting):
+            # Load the reader's copy kernel now: CUDA loads modules lazily, and loading one
+            # while the delayed load's sleep kernel runs waits for that kernel to end.
+            for i, block in enumerate(dst):
+                waited_copy[:, i].copy_(caches.physical[2][:, block])
+            reader_started.record()
         torch.cuda.synchronize()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         load.wait_layer(2, waiting)
