@@ -263,6 +263,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}  # layer name -> registration order
         self._loads: list[SyncLayerwiseRetrieve] = []  # this step's layerwise loads
         self._savers: list[tuple[str, SyncLayerwiseStore]] = []  # this step's layerwise stores
+        self._stores_begun = False  # the step's first save_kv_layer has staged its stores
         self._load_errors: set[int] = set()
         self._stats_last: dict[str, float] = {}
         self.load_error_blocks = 0  # blocks reported to vLLM as not loaded (recomputed)
@@ -368,17 +369,22 @@ class TieredKVConnector(KVConnectorBase_V1):
         released = [spec.request_id for spec in meta.loads] + meta.release
         if released:
             host.release(released)
-        if self._layerwise:
-            for store in meta.stores:
-                try:
-                    saver = host.store_layerwise(store.token_ids, store.block_ids)
-                except Exception:
-                    self.failures += 1
-                    logger.warning(
-                        "TieredKVConnector: store of %s failed", store.request_id, exc_info=True
-                    )
-                    continue
-                self._savers.append((store.request_id, saver))
+
+    def _begin_stores(self) -> None:
+        """Layerwise: stage this step's stores, at the step's first `save_kv_layer` (vLLM may
+        call `start_load_kv` after the forward pass when the step has no synchronous loads)."""
+        self._stores_begun = True
+        host = self._require_host()
+        for store in self._metadata().stores:
+            try:
+                saver = host.store_layerwise(store.token_ids, store.block_ids)
+            except Exception:
+                self.failures += 1
+                logger.warning(
+                    "TieredKVConnector: store of %s failed", store.request_id, exc_info=True
+                )
+                continue
+            self._savers.append((store.request_id, saver))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layerwise: the current stream waits for this layer of every load of the step (a GPU
@@ -399,8 +405,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         """Layerwise: copy this layer of the step's stores out, after the work that wrote it
         (an event on the current stream); whole stores run in `wait_for_save`."""
         index = self._layer_index.get(layer_name)
-        if index is None:
+        if index is None or not self._layerwise:
             return
+        if not self._stores_begun:
+            self._begin_stores()
         for request_id, saver in self._savers:
             try:
                 saver.save_layer(index)
@@ -416,6 +424,7 @@ class TieredKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         host = self._require_host()
         savers, self._savers = self._savers, []
+        begun, self._stores_begun = self._stores_begun, False
         for request_id, saver in savers:
             try:
                 host.commit_store(saver)  # stores nothing unless every layer was saved
@@ -424,8 +433,8 @@ class TieredKVConnector(KVConnectorBase_V1):
                 logger.warning("TieredKVConnector: store of %s failed", request_id, exc_info=True)
         self._finish_loads()
         meta = self._metadata()
-        if self._layerwise or not meta.stores:
-            return
+        if (self._layerwise and begun) or not meta.stores:
+            return  # layerwise stores were committed above
         for spec in meta.stores:
             try:
                 host.store(spec.token_ids, spec.block_ids)
