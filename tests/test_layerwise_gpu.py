@@ -10,6 +10,7 @@ mover, and a layerwise store round-trips.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
-from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv import EngineConfig, EngineStateError, TieredKVEngine
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.events import CudaLayerLoad
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
@@ -86,6 +87,7 @@ async def test_layerwise_scatter_matches_the_reference(
         poison_blocks(ours, dst)
         poison_blocks(theirs, dst)
         load = await movers[path].scatter_layerwise(lo, dst, _transfers(a, skip))
+        await load.enqueued()  # wait_layer on the loop's own thread: after the enqueue
         load.wait_all()
         await movers["torch"].scatter(lt, dst, _transfers(b, skip))
         torch.cuda.synchronize()
@@ -136,6 +138,7 @@ async def test_layerwise_scatter_of_interleaved_groups(
                     t.view(torch.uint8)[dst] = 0xA5
         load = await movers[path].scatter_layerwise(lo, dst, _transfers(a, 19))
         await movers["torch"].scatter(lt, dst, _transfers(b, 19))
+        await load.enqueued()
         load.wait_all()
         torch.cuda.synchronize()
         await load.wait()
@@ -213,6 +216,7 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
             reader_started.record()
         torch.cuda.synchronize()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        await load.enqueued()
         load.wait_layer(2, waiting)
         with torch.cuda.stream(waiting):  # views and copy_ only: nothing allocates (and syncs)
             reader_started.record()
@@ -299,7 +303,14 @@ async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fm
             expected = caches.snapshot()
             load = await engine.retrieve_layerwise(tokens, dst, skip_prefix_tokens=skip)
             assert load.result.valid_tokens == num_tokens
-            load.wait_all()
+            if skip == 0:  # from the model's thread: each wait holds until its layer is queued
+                stream = torch.cuda.current_stream()
+                await asyncio.get_running_loop().run_in_executor(None, load.wait_all, stream)
+            else:
+                with pytest.raises(EngineStateError, match="enqueued"):
+                    load.wait_layer(3)  # on the loop thread, before the enqueue ran
+                await load.enqueued()
+                load.wait_all()
             torch.cuda.current_stream().synchronize()
             await load.wait()
             expect_copy(caches, expected, reference, src, dst, range(skip, num_tokens), BLOCK)

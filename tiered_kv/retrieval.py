@@ -61,6 +61,9 @@ class LayerwiseRetrieve:
 
     ``wait_layer(i)`` orders a stream after layer ``i`` of every delivered chunk (GPU-side; on
     CPU caches it blocks until that layer is copied); ``await wait()`` until every copy is done.
+    The copies may still be being enqueued when the retrieve returns: from the model's thread
+    ``wait_layer`` waits for its layer's turn; on the engine's loop thread ``await enqueued()``
+    first.
     Layers are the registration order of the caches (`KVCacheLayout.layer_names`).
     """
 
@@ -80,6 +83,11 @@ class LayerwiseRetrieve:
 
     def done(self) -> bool:
         return self._load.done()
+
+    async def enqueued(self) -> None:
+        """Until every layer's copies are queued: needed only before `wait_layer` on the
+        engine's own loop thread (from the model's thread, `wait_layer` waits for that)."""
+        await self._load.enqueued()
 
     async def wait(self) -> None:
         await self._load.wait()

@@ -233,6 +233,9 @@ class SyncLayerwiseRetrieve:
     def done(self) -> bool:
         return self._load.done()
 
+    def enqueued(self) -> None:
+        self._owner._call(self._load.enqueued())
+
     def wait(self) -> None:
         self._owner._call(self._load.wait())
 

@@ -69,8 +69,8 @@ class MoverStats:
 class LayerLoad(abc.ABC):
     """A layerwise scatter in flight: one completion point per model layer.
 
-    Created by `KVMover.scatter_layerwise` with every copy already enqueued. `wait_layer` may be
-    called from any thread (it only orders a stream, or blocks the calling thread on CPU
+    Created by `KVMover.scatter_layerwise`, its copies enqueued or being enqueued. `wait_layer`
+    may be called from any thread (it only orders a stream, or blocks the calling thread on CPU
     caches); `wait` belongs to the loop that started the load. The mover holds its own
     references to the objects until every copy has finished.
     """
@@ -92,6 +92,12 @@ class LayerLoad(abc.ABC):
         """`wait_layer` for every layer."""
         for layer in range(self.num_layers):
             self.wait_layer(layer, stream)
+
+    async def enqueued(self) -> None:
+        """Until every layer's copies are queued (after it, `wait_layer` never blocks the
+        host); raises `TieredKVError` when enqueueing failed. Movers that enqueue before
+        returning the load are always there."""
+        return None
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -194,10 +200,11 @@ class KVMover(abc.ABC):
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> LayerLoad:
         """`scatter`, ordered layer by layer across all ``transfers`` (layer 0 of every chunk,
-        then layer 1, ...); returns once every copy is enqueued, ordered after the current
-        stream. Nothing orders the caller's stream after the copies: `LayerLoad.wait_layer`
-        does, per layer. This default (for movers without per-layer completion) scatters whole
-        and returns a load whose layers are all ready."""
+        then layer 1, ...) and after the current stream. May return before every copy is
+        enqueued (the load holds its own references to the objects from the start). Nothing
+        orders the caller's stream after the copies: `LayerLoad.wait_layer` does, per layer.
+        This default (for movers without per-layer completion) scatters whole and returns a
+        load whose layers are all ready."""
         await self.scatter(layout, block_ids, transfers)
         return FinishedLayerLoad(layout.num_layers)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import array
 import asyncio
 import ctypes
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tiered_kv.errors import LayoutError, TieredKVError
+from tiered_kv.errors import EngineStateError, LayoutError, TieredKVError
 from tiered_kv.gpu.base import LayerLoad
 from tiered_kv.gpu.kernels import check_driver
 
@@ -63,26 +64,70 @@ class CallBuffers:
 
 
 class CudaLayerLoad(LayerLoad):
-    """A layerwise scatter on the load streams: ``events[i]`` is recorded after the last copy of
-    model layer ``i`` (every event is recorded before the load is handed to its caller), and
-    ``result`` resolves when the waiter has seen the whole call finish."""
+    """A layerwise scatter on the load streams, enqueued by a task of the loop while its caller
+    goes on. ``events[i]`` is recorded (and ``recorded[i]`` set) once the last copy of model
+    layer ``i`` is queued; ``result`` resolves when the waiter has seen the whole call finish.
+
+    `wait_layer` from another thread (the model's) blocks until that layer is enqueued, then
+    orders the stream on the GPU; on the loop's own thread it never blocks (the enqueue needs
+    the loop): there, ``await enqueued()`` first.
+    """
 
     def __init__(self, device: torch.device, num_layers: int) -> None:
         super().__init__(num_layers)
         self.device = device
         self.events = [torch.cuda.Event() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
-        self.result: asyncio.Future[float] | None = None
+        self.recorded = [threading.Event() for _ in range(num_layers)]
+        self._has_event = [False] * num_layers
+        self._loop_thread = threading.get_ident()
+        self.task: asyncio.Task[None] | None = None  # the enqueue
+        self.result: asyncio.Future[float] | None = None  # the GPU work
+        self.error: BaseException | None = None
+        self.call_owns_objects = False  # set once the enqueue's call holds the references
+
+    def record_layer(self, layer: int, stream: torch.cuda.Stream) -> None:
+        """Loop thread: layer ``layer``'s last copy is queued on ``stream``."""
+        self.events[layer].record(stream)
+        self._has_event[layer] = True
+        self.recorded[layer].set()
+
+    def end_enqueue(self, error: BaseException | None) -> None:
+        """Loop thread, once the enqueue ended (whole, or failed): release every waiter."""
+        self.error = error
+        for flag in self.recorded:
+            flag.set()
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         self._check(layer)
+        flag = self.recorded[layer]
+        if not flag.is_set():
+            if threading.get_ident() == self._loop_thread:
+                raise EngineStateError(
+                    f"wait_layer({layer}) on the engine's loop thread before that layer was "
+                    "enqueued: `await load.enqueued()` first, or wait from the model's thread"
+                )
+            flag.wait()
+        if not self._has_event[layer]:
+            raise TieredKVError(f"layerwise load failed before layer {layer}: {self.error}")
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.events[layer])
 
     def done(self) -> bool:
+        if self.task is not None and not self.task.done():
+            return False
+        if self.error is not None:
+            return True  # the enqueue failed: what it had queued was waited for and released
         return self.result is None or self.result.done()
 
+    async def enqueued(self) -> None:
+        if self.task is not None:
+            await asyncio.shield(self.task)
+        if self.error is not None:
+            raise TieredKVError(f"layerwise load failed: {self.error}") from self.error
+
     async def wait(self) -> None:
+        await self.enqueued()
         if self.result is None:
             return
         try:

@@ -140,7 +140,7 @@ class _Call:
     trace: dict[str, Any] | None = None
     layers: tuple[int, ...] | None = None  # model layers moved (None: all, chunk-major)
     after: Any = None  # event the paged-cache side waits for, instead of the caller's stream
-    layer_events: list[torch.cuda.Event] | None = None  # a layerwise scatter's, per layer
+    load: CudaLayerLoad | None = None  # a layerwise scatter's, with its per-layer events
     learn: bool = True  # teach the clock this call's rate (not for gathers with gaps)
 
 
@@ -172,6 +172,7 @@ class CudaMover(KVMover):
         # it adds events on the caller's stream).
         self.trace: list[dict[str, Any]] | None = None
         self._inflight: set[_Call] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # layerwise loads still enqueueing
         self._idle: asyncio.Future[None] | None = None
         self._params = ctypes.create_string_buffer(_PARAMS_SIZE)
         self._params_arg = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
@@ -217,10 +218,39 @@ class CudaMover(KVMover):
     async def scatter_layerwise(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> LayerLoad:
+        """Returns at once: a task of the loop enqueues the load (one fill after another,
+        recording each layer's event as its last copy is queued) while the caller starts its
+        model, whose `wait_layer` waits for each layer in turn. The references to the objects
+        are taken here, before returning."""
         load = CudaLayerLoad(self._state(layout.device).device, layout.num_layers)
-        await self._move(
-            "scatter", layout, block_ids, transfers, layers=check_layers(layout, None), load=load
+        if not transfers:
+            load.end_enqueue(None)
+            return load
+        held = _hold(transfers)
+        task = asyncio.get_running_loop().create_task(
+            self._move(
+                "scatter",
+                layout,
+                list(block_ids),
+                list(transfers),
+                layers=check_layers(layout, None),
+                load=load,
+                held=held,
+            )
         )
+        load.task = task
+        self._tasks.add(task)
+
+        def enqueued(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            error = None if task.cancelled() else task.exception()
+            if not load.call_owns_objects:  # the task ended before a call took the references
+                for obj in held:
+                    obj.unref()
+                error = error or asyncio.CancelledError()
+            load.end_enqueue(error)
+
+        task.add_done_callback(enqueued)
         return load
 
     def begin_gather(
@@ -239,6 +269,8 @@ class CudaMover(KVMover):
 
     async def aclose(self) -> None:
         """Wait for calls still on the GPU (their callers may be gone), then stop the thread."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
         while self._inflight:
             self._idle = asyncio.get_running_loop().create_future()
             await self._idle
@@ -297,6 +329,7 @@ class CudaMover(KVMover):
         layers: tuple[int, ...] | None = None,
         after: Any = None,
         load: CudaLayerLoad | None = None,
+        held: list[MemoryObj] | None = None,
     ) -> None:
         """Enqueue the call in the caller's task, hand its completion event to the waiter and
         await the result (a layerwise ``load`` gets the result instead, and the caller returns
@@ -312,7 +345,8 @@ class CudaMover(KVMover):
         to_host = direction == "gather"
         side = state.store if to_host else state.load
         loop = asyncio.get_running_loop()
-        held = _hold(transfers)
+        if held is None:
+            held = _hold(transfers)
         call = _Call(
             direction=direction,
             state=state,
@@ -326,8 +360,10 @@ class CudaMover(KVMover):
             trace={} if self.trace is not None else None,
             layers=layers,
             after=after,
-            layer_events=None if load is None else load.events,
+            load=load,
         )
+        if load is not None:
+            load.call_owns_objects = True
         if call.trace is not None:
             call.trace["call"] = time.perf_counter()
         caller = torch.cuda.current_stream(state.device)
@@ -720,7 +756,8 @@ class CudaMover(KVMover):
                 device_ids=device_ids,
                 ctas=fill_ctas,
             )
-            nbytes = enqueue_fill(side, fill, to_host, launch, call.layer_events)
+            layer_done = None if call.load is None else call.load.record_layer
+            nbytes = enqueue_fill(side, fill, to_host, launch, layer_done)
             if call.trace is not None and not queued:
                 call.trace["first_copy"] = time.perf_counter()
             queued += nbytes
@@ -813,15 +850,15 @@ class _CudaLayerSave(LayerSave):
 def _layer_steps(call: _Call) -> list[tuple[int, ...] | None]:
     """How the mapped and DMA paths enqueue a call: whole (None), one step of all its layers, or
     one step per layer when a layerwise load needs an event after each."""
-    if call.layer_events is not None and call.layers is not None:
+    if call.load is not None and call.layers is not None:
         return [(layer,) for layer in call.layers]
     return [call.layers]
 
 
 def _record_layers(call: _Call, layers: tuple[int, ...] | None, stream: torch.cuda.Stream) -> None:
-    if call.layer_events is not None and layers is not None:
+    if call.load is not None and layers is not None:
         for layer in layers:
-            call.layer_events[layer].record(stream)
+            call.load.record_layer(layer, stream)
 
 
 def _layer_ranges(

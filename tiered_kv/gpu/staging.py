@@ -71,11 +71,12 @@ def enqueue_fill(
     fill: Fill,
     to_host: bool,
     launch: Callable[[Sequence[Job]], None],
-    layer_events: Sequence[torch.cuda.Event] | None = None,
+    layer_done: Callable[[int, torch.cuda.Stream], None] | None = None,
 ) -> int:
     """Enqueue one fill through the next slot of ``side``'s ring: its kernel (``launch`` of the
-    fill's jobs on ``side.kernel_stream``) and DMAs, ordered by the slot's events. A scatter
-    records ``layer_events[i]`` for each layer the fill completes. Returns the fill's bytes."""
+        fill's jobs on ``side.kernel_stream``) and DMAs, ordered by the slot's events. A scatter
+        calls ``layer_done(i, stream)`` for each layer the fill completes, after its last copy is
+    queued on ``stream``. Returns the fill's bytes."""
     group = fill.group
     slot = side.next_slot
     side.next_slot = (slot + 1) % side.slot_count
@@ -113,8 +114,8 @@ def enqueue_fill(
         side.kernel_stream.wait_event(side.filled[slot])
         launch(jobs)
         side.freed[slot].record(side.kernel_stream)
-        if layer_events is not None:
+        if layer_done is not None:
             for layer in fill.completes:
-                layer_events[layer].record(side.kernel_stream)
+                layer_done(layer, side.kernel_stream)
     side.used[slot] = True
     return offset
