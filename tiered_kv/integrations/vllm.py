@@ -534,7 +534,8 @@ class TieredKVConnector(KVConnectorBase_V1):
             stats["scheduler_lookups_pending"] += 1
             return None, False  # the answer or the loads are on the way: vLLM asks again
         stats["scheduler_lookups_answered"] += 1
-        stats["scheduler_lookup_latency_seconds"] += now - state.first_lookup
+        # Measured to now: an answer can arrive within the very call that asked.
+        stats["scheduler_lookup_latency_seconds"] += time.monotonic() - state.first_lookup
         state.first_lookup = None
         hit = min(ready, limit) // block * block
         state.local_tokens = num_computed_tokens
