@@ -252,3 +252,33 @@ def test_moved_bytes_of_some_layers() -> None:
     finally:
         obj.unref()
         assert arena.close() == 0
+
+
+def test_evenly_stepping_runs_become_one_strided_copy() -> None:
+    from tiered_kv.gpu.staging import MAX_PITCH, StridedCopy, strided_copies
+
+    mib = 1 << 20
+    # A layer-major fill: one layer of 4 evenly spaced chunk objects into a contiguous slot.
+    runs = [(9000 + k * mib, 5 * mib + k * 32 * mib, mib) for k in range(4)]
+    assert strided_copies(runs) == [StridedCopy(9000, 5 * mib, mib, 4, mib, 32 * mib)]
+    # The fifth object is elsewhere: a new copy starts there; a different size too.
+    odd = [*runs, (9000 + 4 * mib, 999 * mib, mib), (9000 + 5 * mib, 1000 * mib, 512)]
+    assert strided_copies(odd) == [
+        StridedCopy(9000, 5 * mib, mib, 4, mib, 32 * mib),
+        StridedCopy(9000 + 4 * mib, 999 * mib, mib),
+        StridedCopy(9000 + 5 * mib, 1000 * mib, 512),
+    ]
+    # Descending, overlapping or too widely spaced runs stay plain copies.
+    down = [(0, 10 * mib, mib), (mib, 5 * mib, mib)]
+    assert [c.rows for c in strided_copies(down)] == [1, 1]
+    overlap = [(0, 0, mib), (mib // 2, mib // 2, mib)]
+    assert [c.rows for c in strided_copies(overlap)] == [1, 1]
+    far = [(0, 0, 64), (64, MAX_PITCH + 64, 64)]
+    assert [c.rows for c in strided_copies(far)] == [1, 1]
+    # Every byte of every run is covered exactly once by the strided copies.
+    covered = sorted(
+        (c.dst + k * c.dst_pitch, c.src + k * c.src_pitch, c.width)
+        for c in strided_copies(odd)
+        for k in range(c.rows)
+    )
+    assert covered == sorted(odd)

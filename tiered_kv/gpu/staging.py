@@ -9,6 +9,7 @@ state is unlocked).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,15 +56,75 @@ class Direction:
         self.used = [False] * self.slot_count
 
 
-def copy_runs(runs: Sequence[tuple[int, int, int]], stream: object) -> None:
-    """Enqueue (destination, source, bytes) copies on ``stream``, one `cuMemcpyAsync` each.
-    (One `cuMemcpyBatchAsync` per fill was tried: on an H100 with driver 13 it held the host
-    until the stream's earlier work was done, which serialized a layerwise load with the
-    model's reads of its first layers.)"""
+MAX_PITCH = 1 << 30  # well inside what cuMemcpy2D accepts for a host or device pitch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StridedCopy:
+    """``rows`` copies of ``width`` bytes: row k from ``src + k * src_pitch`` to
+    ``dst + k * dst_pitch`` (one row: a plain copy)."""
+
+    dst: int
+    src: int
+    width: int
+    rows: int = 1
+    dst_pitch: int = 0
+    src_pitch: int = 0
+
+
+def strided_copies(runs: Sequence[tuple[int, int, int]]) -> list[StridedCopy]:
+    """(destination, source, bytes) runs, in order, as few strided copies: consecutive runs of
+    one size whose destinations and sources each step by a constant pitch become one 2-D copy
+    (a layer-major fill's pieces: one layer of consecutive chunk objects, which the arena
+    usually lays out evenly, land side by side in the staging slot)."""
+    out: list[StridedCopy] = []
+    for dst, src, nbytes in runs:
+        if out:
+            last = out[-1]
+            if last.width == nbytes:
+                if last.rows == 1:
+                    dst_pitch, src_pitch = dst - last.dst, src - last.src
+                    if nbytes <= dst_pitch <= MAX_PITCH and nbytes <= src_pitch <= MAX_PITCH:
+                        out[-1] = StridedCopy(last.dst, last.src, nbytes, 2, dst_pitch, src_pitch)
+                        continue
+                elif (
+                    dst == last.dst + last.rows * last.dst_pitch
+                    and src == last.src + last.rows * last.src_pitch
+                ):
+                    out[-1] = dataclasses.replace(last, rows=last.rows + 1)
+                    continue
+        out.append(StridedCopy(dst, src, nbytes))
+    return out
+
+
+def copy_runs(runs: Sequence[tuple[int, int, int]], stream: object, *, to_host: bool) -> None:
+    """Enqueue (destination, source, bytes) copies on ``stream``: runs that step evenly go as
+    one `cuMemcpy2DAsync` (a 32-chunk layer-major fill: one call instead of 32), the rest one
+    `cuMemcpyAsync` each."""
     from cuda.bindings import driver
 
-    for dst, src, nbytes in runs:
-        check_driver(driver.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+    for copy in strided_copies(runs):
+        if copy.rows == 1:
+            check_driver(
+                driver.cuMemcpyAsync(copy.dst, copy.src, copy.width, stream), "cuMemcpyAsync"
+            )
+            continue
+        params = driver.CUDA_MEMCPY2D()
+        host_type = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+        device_type = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        params.srcMemoryType = device_type if to_host else host_type
+        params.dstMemoryType = host_type if to_host else device_type
+        if to_host:
+            params.srcDevice = copy.src
+            params.dstHost = copy.dst
+        else:
+            params.srcHost = copy.src
+            params.dstDevice = copy.dst
+        params.srcPitch = copy.src_pitch
+        params.dstPitch = copy.dst_pitch
+        params.WidthInBytes = copy.width
+        params.Height = copy.rows
+        check_driver(driver.cuMemcpy2DAsync(params, stream), "cuMemcpy2DAsync")
 
 
 def enqueue_fill(
@@ -104,12 +165,12 @@ def enqueue_fill(
         launch(jobs)
         side.filled[slot].record(side.kernel_stream)
         side.dma_stream.wait_event(side.filled[slot])
-        copy_runs([(host, dev, n) for host, dev, n in copies], side.dma_cu)
+        copy_runs([(host, dev, n) for host, dev, n in copies], side.dma_cu, to_host=True)
         side.freed[slot].record(side.dma_stream)
     else:
         if side.used[slot]:
             side.dma_stream.wait_event(side.freed[slot])
-        copy_runs([(dev, host, n) for host, dev, n in copies], side.dma_cu)
+        copy_runs([(dev, host, n) for host, dev, n in copies], side.dma_cu, to_host=False)
         side.filled[slot].record(side.dma_stream)
         side.kernel_stream.wait_event(side.filled[slot])
         launch(jobs)
