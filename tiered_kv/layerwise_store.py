@@ -38,7 +38,6 @@ class LayerwiseStore:
         on_end: Any = None,
     ) -> None:
         self._storage = storage
-        self._mover = mover
         self._layout = layout
         self._block_ids = list(block_ids)
         self._staged = list(staged)
@@ -78,7 +77,9 @@ class LayerwiseStore:
         after = None
         if self._layout.device.type == "cuda":
             after = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            after.record(stream if stream is not None else torch.cuda.current_stream())
+            if stream is None:
+                stream = torch.cuda.current_stream(self._layout.device)
+            after.record(stream)
         if threading.get_ident() == self._loop_thread:
             self._queue(layer, after)
         else:
