@@ -288,3 +288,16 @@ def test_the_blocking_facade_loads_and_stores_layerwise() -> None:
         assert load.done()
         expect_copy(caches, expected, reference, src, dst, range(64), BLOCK)
         assert caches.bytes_equal(expected)
+
+
+def test_the_engines_default_mover_forwards_every_mover_verb() -> None:
+    """`DeviceMover` picks a mover per layout: a verb it inherits from `KVMover` instead of
+    forwarding bypasses the chosen mover (its layerwise stores became one gather call per
+    layer, each with its own block table upload and completion, instead of one call)."""
+    from tiered_kv.gpu.base import KVMover
+    from tiered_kv.gpu.dispatch import DeviceMover
+
+    verbs = [name for name, value in vars(KVMover).items() if callable(value) and name[0] != "_"]
+    assert {"gather", "scatter", "scatter_layerwise", "begin_gather"} <= set(verbs)
+    inherited = [name for name in verbs if name not in vars(DeviceMover)]
+    assert not inherited, f"DeviceMover inherits {inherited} instead of forwarding"

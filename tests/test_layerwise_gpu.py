@@ -278,6 +278,44 @@ async def test_a_layers_store_waits_for_its_producer(path: str) -> None:
     assert engine.leaked_on_close == 0
 
 
+async def test_the_engines_layerwise_store_is_one_mover_call() -> None:
+    """Through the default mover, a layerwise store of several layers and chunks is one gather
+    call (one block table upload, one completion), and its bytes round-trip."""
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=2, device="cuda"
+    )
+    tokens = list(range(3000, 3096))
+    src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
+
+    def gather_calls(engine: TieredKVEngine) -> int:
+        mover = engine.stats()["mover"]
+        return sum(
+            int(v)
+            for k, v in mover.items()
+            if k.startswith("cuda_gather_") and k.endswith("_calls")
+        )
+
+    async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="16MiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        before = gather_calls(engine)
+        gathered = engine.stats()["mover"]["bytes_gathered"]
+        saver = await engine.store_layerwise(tokens, src)
+        for layer in range(4):
+            saver.save_layer(layer)
+        assert await saver.commit() == 96
+        assert gather_calls(engine) - before == 1, engine.stats()["mover"]
+        # Counted like any gather: 96 tokens x 4 layers x K and V x 2 heads x 8 x bf16.
+        assert engine.stats()["mover"]["bytes_gathered"] - gathered == 96 * 4 * 2 * 2 * 8 * 2
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        assert await engine.retrieve(tokens, dst) == 96
+        torch.cuda.synchronize()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        assert caches.bytes_equal(expected)
+    assert engine.leaked_on_close == 0
+
+
 @pytest.mark.parametrize("fmt", ["vllm_nhd", "vllm_hnd_view", "flashinfer_hnd", "mla"])
 async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fmt: str) -> None:
     num_tokens = 200

@@ -62,8 +62,8 @@ class LayerwiseRetrieve:
     ``wait_layer(i)`` orders a stream after layer ``i`` of every delivered chunk (GPU-side; on
     CPU caches it blocks until that layer is copied); ``await wait()`` until every copy is done.
     The copies may still be being enqueued when the retrieve returns: from the model's thread
-    ``wait_layer`` waits for its layer's turn; on the engine's loop thread ``await enqueued()``
-    first.
+    ``wait_layer`` waits for the enqueue (on the GPU, still for layer ``i``'s copies only); on
+    the engine's loop thread ``await enqueued()`` first.
     Layers are the registration order of the caches (`KVCacheLayout.layer_names`).
     """
 

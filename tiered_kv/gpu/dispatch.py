@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad
+from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, LayerSave
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout
 
@@ -72,6 +72,11 @@ class DeviceMover(KVMover):
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> LayerLoad:
         return await self.mover_for(layout).scatter_layerwise(layout, block_ids, transfers)
+
+    def begin_gather(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerSave:
+        return self.mover_for(layout).begin_gather(layout, block_ids, transfers)
 
     def stats(self) -> dict[str, int | float]:
         """Totals under the common names (``bytes_gathered``, ``gather_seconds``, ...) plus

@@ -65,19 +65,27 @@ class CallBuffers:
 
 class CudaLayerLoad(LayerLoad):
     """A layerwise scatter on the load streams, enqueued by a task of the loop while its caller
-    goes on. ``events[i]`` is recorded (and ``recorded[i]`` set) once the last copy of model
-    layer ``i`` is queued; ``result`` resolves when the waiter has seen the whole call finish.
+    goes on. ``events[i]`` is recorded once the last copy of model layer ``i`` is queued;
+    ``result`` resolves when the waiter has seen the whole call finish.
 
-    `wait_layer` from another thread (the model's) blocks until that layer is enqueued, then
-    orders the stream on the GPU; on the loop's own thread it never blocks (the enqueue needs
-    the loop): there, ``await enqueued()`` first.
+    `wait_layer` from another thread (the model's) blocks until the whole load is enqueued,
+    then orders the stream after layer ``i``'s event: on the GPU each layer waits for its own
+    copies only. The host waits for the whole enqueue, not layer ``i``'s part of it, because
+    the enqueue (Python on the loop thread, tens of microseconds per staging fill) and the
+    model's kernel launches share the GIL: run side by side they hand it back and forth at
+    every driver call and each stalls the other for up to the interpreter's switch interval.
+    Measured on an H100 (bench/ttft_profile.py, 32k tokens of Llama-3-8B KV, 131 fills): the
+    enqueue alone takes 16-26 ms; beside the model's launches it took over 60 ms and starved
+    the copy engine, so the last layer landed 30-40 ms later than the copies needed. On the
+    loop's own thread `wait_layer` never blocks (the enqueue needs the loop): there, ``await
+    enqueued()`` first.
     """
 
     def __init__(self, device: torch.device, num_layers: int) -> None:
         super().__init__(num_layers)
         self.device = device
         self.events = [torch.cuda.Event() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
-        self.recorded = [threading.Event() for _ in range(num_layers)]
+        self.all_enqueued = threading.Event()
         self._has_event = [False] * num_layers
         self._loop_thread = threading.get_ident()
         self.task: asyncio.Task[None] | None = None  # the enqueue
@@ -89,24 +97,21 @@ class CudaLayerLoad(LayerLoad):
         """Loop thread: layer ``layer``'s last copy is queued on ``stream``."""
         self.events[layer].record(stream)
         self._has_event[layer] = True
-        self.recorded[layer].set()
 
     def end_enqueue(self, error: BaseException | None) -> None:
         """Loop thread, once the enqueue ended (whole, or failed): release every waiter."""
         self.error = error
-        for flag in self.recorded:
-            flag.set()
+        self.all_enqueued.set()
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         self._check(layer)
-        flag = self.recorded[layer]
-        if not flag.is_set():
+        if not self.all_enqueued.is_set():
             if threading.get_ident() == self._loop_thread:
                 raise EngineStateError(
-                    f"wait_layer({layer}) on the engine's loop thread before that layer was "
+                    f"wait_layer({layer}) on the engine's loop thread before the load was "
                     "enqueued: `await load.enqueued()` first, or wait from the model's thread"
                 )
-            flag.wait()
+            self.all_enqueued.wait()
         if not self._has_event[layer]:
             raise TieredKVError(f"layerwise load failed before layer {layer}: {self.error}")
         if stream is None:

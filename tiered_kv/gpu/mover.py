@@ -423,8 +423,10 @@ class CudaMover(KVMover):
         buffers = call.buffers
         if call.trace is not None:
             call.trace["finish"] = time.perf_counter()
-        if error is None and call.learn:
-            call.side.clock.observe(call.nbytes, buffers.begun.elapsed_time(buffers.done) / 1e3)
+        if error is None:
+            if call.learn:  # a layerwise store's GPU time includes waits for its producer
+                seconds = buffers.begun.elapsed_time(buffers.done) / 1e3
+                call.side.clock.observe(call.nbytes, seconds)
             direction = call.direction
             self._counters[f"{direction}_{call.path}_bytes"] += call.nbytes
             self._counters[f"{direction}_{call.path}_calls"] += 1
@@ -618,12 +620,15 @@ class CudaMover(KVMover):
         it at launch."""
         from cuda.bindings import driver
 
-        if group.block_rows is not None and all(
-            job[1] % block_size == 0 and job[2] % block_size == 0 and job[3] % block_size == 0
-            for job in jobs
-        ):
+        rows = group.block_rows
+        if rows is not None:
+            for _, start, t0, n, _, _ in jobs:
+                if start % block_size or t0 % block_size or n % block_size:
+                    rows = None
+                    break
+        if rows is not None:
             # Whole blocks only: copy them as one wide row each (tokens become blocks).
-            group = group.block_rows
+            group = rows
             jobs = [
                 (host, start // block_size, t0 // block_size, n // block_size, l0, l1)
                 for host, start, t0, n, l0, l1 in jobs
@@ -647,24 +652,19 @@ class CudaMover(KVMover):
             len(jobs),
             0,
         )
+        # Vectors of the largest job (the grid covers it); each job below 2^31 vectors.
+        layer_vectors = group.kv_count * group.row_bytes // group.width
         max_vectors = 1
-        for i, (host, token_start, t_begin, num_tokens, l0, l1) in enumerate(jobs):
-            _JOB.pack_into(
-                params,
-                _PARAMS_HEAD.size + i * _JOB.size,
-                host,
-                token_start,
-                t_begin,
-                num_tokens,
-                l0,
-                l1,
-                0,
-            )
-            vectors = (l1 - l0) * group.kv_count * (num_tokens - t_begin) * group.row_bytes
-            vectors //= group.width
-            if vectors >= 1 << 31:
-                raise LayoutError(f"copy job of {vectors} vectors exceeds the kernel's 2^31")
-            max_vectors = max(max_vectors, vectors)
+        offset = _PARAMS_HEAD.size
+        pack = _JOB.pack_into
+        for host, token_start, t_begin, num_tokens, l0, l1 in jobs:
+            pack(params, offset, host, token_start, t_begin, num_tokens, l0, l1, 0)
+            offset += _JOB.size
+            vectors = (l1 - l0) * (num_tokens - t_begin) * layer_vectors
+            if vectors > max_vectors:
+                max_vectors = vectors
+        if max_vectors >= 1 << 31:
+            raise LayoutError(f"copy job of {max_vectors} vectors exceeds the kernel's 2^31")
         per_cta = _THREADS * _UNROLL
         grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_vectors // per_cta)))
         function = state.kernels.function("gather" if to_host else "scatter", group.width)

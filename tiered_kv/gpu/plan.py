@@ -188,7 +188,7 @@ def slot_fills(
     fills = 0
     remaining = 0
     if not ramp_up:
-        remaining = sum(g.slab_bytes(l1 - l0, t.obj.num_tokens) for g, t, l0, l1, _ in pieces)
+        remaining = sum((l1 - l0) * per_layer for _, _, l0, l1, per_layer, _ in pieces)
     cap = 0
 
     def capacity() -> int:
@@ -199,8 +199,7 @@ def slot_fills(
         return max(slot_bytes >> RAMP_STEPS, remaining // 2)
 
     fill: Fill | None = None
-    for group, transfer, l0, l1, completes in pieces:
-        per_layer = group.slab_bytes(1, transfer.obj.num_tokens)
+    for group, transfer, l0, l1, per_layer, completes in pieces:
         if per_layer > slot_bytes:
             raise ValueError(f"staging slot of {slot_bytes} bytes < one layer's {per_layer}")
         if fill is not None and fill.group is not group:
@@ -232,19 +231,27 @@ def slot_fills(
 
 def _pieces(
     plan: LayoutPlan, transfers: Sequence[ChunkTransfer], layers: Sequence[int] | None
-) -> Iterator[tuple[GroupPlan, ChunkTransfer, int, int, int | None]]:
-    """(group, chunk, first layer, end layer, model layer completed by this piece or None)."""
+) -> Iterator[tuple[GroupPlan, ChunkTransfer, int, int, int, int | None]]:
+    """(group, chunk, first layer, end layer, bytes of one layer of the chunk, model layer
+    completed by this piece or None)."""
     if layers is None:
         for group in plan.groups:
             for transfer in transfers:
-                yield group, transfer, 0, group.num_layers, None
+                per_layer = group.slab_bytes(1, transfer.obj.num_tokens)
+                yield group, transfer, 0, group.num_layers, per_layer, None
         return
     places = layer_places(plan.layout)
+    # Per group, each chunk's one-layer bytes: the same for every layer of the group.
+    sizes = {
+        index: [group.slab_bytes(1, t.obj.num_tokens) for t in transfers]
+        for index, group in enumerate(plan.groups)
+    }
+    last = len(transfers) - 1
     for layer in layers:
         index, local = places[layer]
         group = plan.groups[index]
-        for i, transfer in enumerate(transfers):
-            yield group, transfer, local, local + 1, layer if i == len(transfers) - 1 else None
+        for i, (transfer, per_layer) in enumerate(zip(transfers, sizes[index], strict=True)):
+            yield group, transfer, local, local + 1, per_layer, layer if i == last else None
 
 
 def runs(

@@ -16,7 +16,7 @@ import torch
 
 from tiered_kv.gpu.completion import TransferClock
 from tiered_kv.gpu.kernels import check_driver
-from tiered_kv.gpu.plan import Fill, group_offset
+from tiered_kv.gpu.plan import Fill
 
 Job = tuple[int, int, int, int, int, int]  # (address, token_start, t_begin, tokens, l0, l1)
 
@@ -76,24 +76,26 @@ def strided_copies(runs: Sequence[tuple[int, int, int]]) -> list[StridedCopy]:
     """(destination, source, bytes) runs, in order, as few strided copies: consecutive runs of
     one size whose destinations and sources each step by a constant pitch become one 2-D copy
     (a layer-major fill's pieces: one layer of consecutive chunk objects, which the arena
-    usually lays out evenly, land side by side in the staging slot)."""
+    usually lays out evenly, land side by side in the staging slot). Runs on the loop thread
+    for every fill: plain ints until a copy is complete."""
     out: list[StridedCopy] = []
+    # The copy being grown: first run, width, rows, pitches (0 while it has one row).
+    dst0 = src0 = width = rows = dst_pitch = src_pitch = 0
     for dst, src, nbytes in runs:
-        if out:
-            last = out[-1]
-            if last.width == nbytes:
-                if last.rows == 1:
-                    dst_pitch, src_pitch = dst - last.dst, src - last.src
-                    if nbytes <= dst_pitch <= MAX_PITCH and nbytes <= src_pitch <= MAX_PITCH:
-                        out[-1] = StridedCopy(last.dst, last.src, nbytes, 2, dst_pitch, src_pitch)
-                        continue
-                elif (
-                    dst == last.dst + last.rows * last.dst_pitch
-                    and src == last.src + last.rows * last.src_pitch
-                ):
-                    out[-1] = dataclasses.replace(last, rows=last.rows + 1)
+        if rows and nbytes == width:
+            if rows == 1:
+                dp, sp = dst - dst0, src - src0
+                if nbytes <= dp <= MAX_PITCH and nbytes <= sp <= MAX_PITCH:
+                    rows, dst_pitch, src_pitch = 2, dp, sp
                     continue
-        out.append(StridedCopy(dst, src, nbytes))
+            elif dst == dst0 + rows * dst_pitch and src == src0 + rows * src_pitch:
+                rows += 1
+                continue
+        if rows:
+            out.append(StridedCopy(dst0, src0, width, rows, dst_pitch, src_pitch))
+        dst0, src0, width, rows, dst_pitch, src_pitch = dst, src, nbytes, 1, 0, 0
+    if rows:
+        out.append(StridedCopy(dst0, src0, width, rows, dst_pitch, src_pitch))
     return out
 
 
@@ -127,6 +129,44 @@ def copy_runs(runs: Sequence[tuple[int, int, int]], stream: object, *, to_host: 
         check_driver(driver.cuMemcpy2DAsync(params, stream), "cuMemcpy2DAsync")
 
 
+def fill_parts(
+    fill: Fill, base: int, to_host: bool
+) -> tuple[list[Job], list[tuple[int, int, int]]]:
+    """A fill's kernel jobs (each piece's slab at its place in the slot at ``base``) and its
+    (host, slot address, bytes) copies, pieces adjacent on the host merged. Pure arithmetic, on
+    the loop thread for every fill (a 32k-token layerwise load has 4096 pieces): kept flat."""
+    group = fill.group
+    row_bytes = group.kv_count * group.row_bytes  # one token row of one layer, K and V
+    index = group.group.index
+    jobs: list[Job] = []
+    copies: list[tuple[int, int, int]] = []
+    offset = 0
+    last_end = -1  # host address just past the last copy
+    for transfer, l0, l1 in fill.pieces:
+        obj = transfer.obj
+        tokens = obj.num_tokens
+        layer_bytes = row_bytes * tokens
+        nbytes = (l1 - l0) * layer_bytes
+        host = (
+            obj.arena.base_ptr
+            + obj.offset
+            + obj.layout.group_offsets(tokens)[index]
+            + l0 * layer_bytes
+        )
+        # The job's slab starts at layer l0 inside the slot.
+        t_begin = 0 if to_host else transfer.skip_tokens
+        jobs.append((base + offset, transfer.token_start, t_begin, tokens, l0, l1))
+        if host == last_end:
+            # Adjacent on the host too (consecutive layers, or neighbouring objects): one DMA.
+            first_host, first_slot, run = copies[-1]
+            copies[-1] = (first_host, first_slot, run + nbytes)
+        else:
+            copies.append((host, base + offset, nbytes))
+        last_end = host + nbytes
+        offset += nbytes
+    return jobs, copies
+
+
 def enqueue_fill(
     side: Direction,
     fill: Fill,
@@ -135,30 +175,12 @@ def enqueue_fill(
     layer_done: Callable[[int, torch.cuda.Stream], None] | None = None,
 ) -> int:
     """Enqueue one fill through the next slot of ``side``'s ring: its kernel (``launch`` of the
-        fill's jobs on ``side.kernel_stream``) and DMAs, ordered by the slot's events. A scatter
-        calls ``layer_done(i, stream)`` for each layer the fill completes, after its last copy is
+    fill's jobs on ``side.kernel_stream``) and DMAs, ordered by the slot's events. A scatter
+    calls ``layer_done(i, stream)`` for each layer the fill completes, after its last copy is
     queued on ``stream``. Returns the fill's bytes."""
-    group = fill.group
     slot = side.next_slot
     side.next_slot = (slot + 1) % side.slot_count
-    base = side.slots[slot].data_ptr()
-    jobs: list[Job] = []
-    copies: list[tuple[int, int, int]] = []  # (host, slot address, bytes)
-    offset = 0
-    for transfer, l0, l1 in fill.pieces:
-        obj = transfer.obj
-        nbytes = group.slab_bytes(l1 - l0, obj.num_tokens)
-        host = obj.arena.base_ptr + obj.offset + group_offset(obj, group)
-        host += group.slab_bytes(l0, obj.num_tokens)
-        t_begin = 0 if to_host else transfer.skip_tokens
-        # The job's slab starts at layer l0 inside the slot.
-        jobs.append((base + offset, transfer.token_start, t_begin, obj.num_tokens, l0, l1))
-        if copies and copies[-1][0] + copies[-1][2] == host:
-            # Adjacent on the host too (consecutive layers, or neighbouring objects): one DMA.
-            copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + nbytes)
-        else:
-            copies.append((host, base + offset, nbytes))
-        offset += nbytes
+    jobs, copies = fill_parts(fill, side.slots[slot].data_ptr(), to_host)
     if to_host:
         if side.used[slot]:
             side.kernel_stream.wait_event(side.freed[slot])
@@ -179,4 +201,4 @@ def enqueue_fill(
             for layer in fill.completes:
                 layer_done(layer, side.kernel_stream)
     side.used[slot] = True
-    return offset
+    return sum(copy[2] for copy in copies)
