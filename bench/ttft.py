@@ -181,7 +181,7 @@ class Options:
     device: str = "cuda"
     shape: ModelShape = LLAMA3_8B
     lengths: tuple[int, ...] = (2048, 8192, 32768)
-    reps: int = 3
+    reps: int = 5
     chunk_size: int = 256
     block_size: int = 16
     ceiling_bytes: int = GiB

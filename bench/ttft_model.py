@@ -18,14 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-# The attention the bench registers with transformers: sdpa, but one query token (a fully
-# cached prompt's last token) attends per KV head without copying K/V once per query head.
-PAGED_SDPA = "tkv_paged_sdpa"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,46 +67,13 @@ TINY = ModelShape(
 )
 
 
-def paged_sdpa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa, but for one query token over grouped KV heads (GQA) the query heads
-    of each KV head go in as that head's query rows: ``[1, heads, 1, d]`` read as ``[1,
-    kv_heads, groups, d]``. Same scores and softmax per query head; no ``repeat_kv`` copy of the
-    whole prefix (2 x 4 x 64 MiB per layer at 32k tokens). A single query of one unpadded
-    request sees every key, so no mask applies (the bench runs one request at a time)."""
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads = key.shape[1]
-    if q_len == 1 and batch == 1 and heads != kv_heads:
-        rows = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-        out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, scale=scaling)
-        return out.reshape(batch, heads, 1, head_dim).transpose(1, 2), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
-
-
-AttentionInterface.register(PAGED_SDPA, paged_sdpa)
-AttentionMaskInterface.register(PAGED_SDPA, sdpa_mask)
-
-
-def build_model(
-    shape: ModelShape, device: torch.device, seed: int = 0, attention: str = PAGED_SDPA
-) -> LlamaForCausalLM:
-    """Random-init bf16 Llama made directly on ``device`` (no fp32 copy, nothing downloaded);
-    transformers' own init (normal, std 0.02) runs there, fast on a GPU. ``attention``:
-    `paged_sdpa` (the default) or transformers' ``sdpa``."""
+def build_model(shape: ModelShape, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """Random-init bf16 sdpa Llama made directly on ``device`` (no fp32 copy, nothing
+    downloaded); transformers' own init (normal, std 0.02) runs there, fast on a GPU."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(
-            shape.config(), dtype=torch.bfloat16, attn_implementation=attention
+            shape.config(), dtype=torch.bfloat16, attn_implementation="sdpa"
         )
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"expected a LlamaForCausalLM, got {type(model).__name__}")

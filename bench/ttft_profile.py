@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import bench.ttft as tt
-from bench.ttft_model import LLAMA3_8B, PAGED_SDPA, PagedKV, build_model
+from bench.ttft_model import LLAMA3_8B, PagedKV, build_model
 from tiered_kv.engine import new_event_loop
 
 
@@ -75,16 +75,7 @@ async def main(args: argparse.Namespace) -> None:
         await runner.prefill(stored, prefix)
         times.append(time.perf_counter() - t)
     print(f"1-token prefill over {prefix}: {[round(1e3 * x, 1) for x in times[1:]]} ms", flush=True)
-    profile_table(lambda: one(prefix))
-    model.set_attn_implementation("sdpa")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        one(prefix)
-        torch.cuda.synchronize()
-        print(f"  with transformers' sdpa: {1e3 * (time.perf_counter() - t):.1f} ms", flush=True)
     profile_table(lambda: one(prefix), rows=8)
-    model.set_attn_implementation(PAGED_SDPA)
     flat = paged.layers[0].view(2, -1, shape.kv_heads, shape.head_dim)
     for name, gather in (
         ("transposed index_select", lambda: flat[0].transpose(0, 1).index_select(1, stored.slots)),

@@ -502,7 +502,12 @@ class CudaMover(KVMover):
                 device_ids=save.device_ids,
                 ctas=self.options.staging_ctas,
             )
-            for fill in slot_fills(plan, transfers, side.slot_bytes, ramp_up=True, layers=layers):
+            # Only the session's first layer ramps up (nothing precedes its first DMA); later
+            # layers go in full fills: fewer launches and copies per layer on the loop thread.
+            ramp_up = save.last_bytes == 0
+            for fill in slot_fills(
+                plan, transfers, side.slot_bytes, ramp_up=ramp_up, layers=layers
+            ):
                 enqueue_fill(side, fill, True, functools.partial(launch, fill.group))
         save.last_bytes = sum(moved_bytes(plan, t, True, layers) for t in transfers)
         call.nbytes += save.last_bytes
