@@ -241,6 +241,28 @@ async def test_repeated_lookups_of_a_waiting_request_reuse_one_prefetch(
     await _settle(engine)
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_a_retrieve_that_skips_every_chunk_releases_the_lookups_prefetch(
+    setup: tuple[TieredKVEngine, FaultyTier], layerwise: bool
+) -> None:
+    """The engine's own prefix cache held the whole prompt: the retrieve copies nothing, but
+    the prefetch its lookup started is the request's and must end with it (it used to stay
+    pending, its chunks pinned in L1, until a later lookup of the same prompt or the close:
+    the soak test saw it as host bytes still referenced)."""
+    engine, _ = setup
+    prompt = TOKENS[:96]  # three whole chunks
+    assert await engine.lookup(prompt) == 96
+    assert engine.stats()["prefetch"]["live_handles"] == 1
+    if layerwise:
+        load = await engine.retrieve_layerwise(prompt, DST, skip_prefix_tokens=96)
+        assert load.result.valid_tokens == 96
+        await load.wait()
+    else:
+        assert await engine.retrieve(prompt, DST, skip_prefix_tokens=96) == 96
+    assert engine.stats()["prefetch"]["live_handles"] == 0
+    await _settle(engine)
+
+
 async def test_lookups_never_retrieved_are_bounded(caches: KVCaches) -> None:
     tier = FaultyTier(MemoryTier(), get_delay_s=0.05)
     config = _config(prefetch_max_pending=2)

@@ -592,9 +592,12 @@ class TieredKVEngine:
         chunk_size = self.config.chunk_size
         keys = chunk_keys(reg.scope, token_ids, chunk_size)
         first = skip_prefix_tokens // chunk_size
+        # The prefetch this request's lookup started ends with this retrieve, whatever it copies.
+        handle = self._implicit.pop((reg.model_name, keys[-1]), None) if keys else None
         if first >= len(keys):
+            if handle is not None:
+                handle.release_unused()
             return RetrieveResult(skip_prefix_tokens, skip_prefix_tokens, "complete", policy)
-        handle = self._implicit.pop((reg.model_name, keys[-1]), None)
         if handle is None or handle.released:
             where = await storage.locate(keys[first:])
             handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
