@@ -245,6 +245,20 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
     assert leaked == 0
 
 
+async def _retrieves_what_was_stored(
+    engine: TieredKVEngine, caches: Any, tokens: list[int], src: list[int], dst: list[int]
+) -> None:
+    """A whole retrieve of ``tokens`` into the poisoned ``dst`` blocks writes what ``src``
+    holds and nothing else."""
+    reference = caches.snapshot()
+    poison_blocks(caches, dst)
+    expected = caches.snapshot()
+    assert await engine.retrieve(tokens, dst) == len(tokens)
+    torch.cuda.synchronize()
+    expect_copy(caches, expected, reference, src, dst, range(len(tokens)), BLOCK)
+    assert caches.bytes_equal(expected)
+
+
 @pytest.mark.parametrize("path", PATHS)
 async def test_a_layers_store_waits_for_its_producer(path: str) -> None:
     """save_layer after a write still queued behind a sleep on the producer's stream: the
@@ -266,13 +280,7 @@ async def test_a_layers_store_waits_for_its_producer(path: str) -> None:
                 caches.physical[layer].view(torch.uint8)[:, src] = 0x10 + layer
             saver.save_layer(layer, producer)
         assert await saver.commit() == 96
-        reference = caches.snapshot()
-        poison_blocks(caches, dst)
-        expected = caches.snapshot()
-        assert await engine.retrieve(tokens, dst) == 96
-        torch.cuda.synchronize()
-        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
-        assert caches.bytes_equal(expected)
+        await _retrieves_what_was_stored(engine, caches, tokens, src, dst)
         for layer in range(3):
             assert bool((caches.physical[layer].view(torch.uint8)[:, dst] == 0x10 + layer).all())
     assert engine.leaked_on_close == 0
@@ -306,13 +314,7 @@ async def test_the_engines_layerwise_store_is_one_mover_call() -> None:
         assert gather_calls(engine) - before == 1, engine.stats()["mover"]
         # Counted like any gather: 96 tokens x 4 layers x K and V x 2 heads x 8 x bf16.
         assert engine.stats()["mover"]["bytes_gathered"] - gathered == 96 * 4 * 2 * 2 * 8 * 2
-        reference = caches.snapshot()
-        poison_blocks(caches, dst)
-        expected = caches.snapshot()
-        assert await engine.retrieve(tokens, dst) == 96
-        torch.cuda.synchronize()
-        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
-        assert caches.bytes_equal(expected)
+        await _retrieves_what_was_stored(engine, caches, tokens, src, dst)
     assert engine.leaked_on_close == 0
 
 
