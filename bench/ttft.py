@@ -87,6 +87,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.ttft_model import LLAMA3_8B, TINY, ModelShape, PagedKV, build_model, prefill  # noqa: E402
 from tiered_kv import EngineConfig, TieredKVEngine  # noqa: E402
+from tiered_kv.benchmarks.remote import free_port  # noqa: E402
 from tiered_kv.engine import new_event_loop  # noqa: E402
 
 GiB = 1 << 30
@@ -377,12 +378,6 @@ def disk_read_ceiling(directory: str, max_bytes: int) -> float | None:
 
 
 # -- the L3 server ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def tkv_server(capacity: int, log_path: Path) -> Iterator[str]:
     """``tiered-kv serve`` in its own process on loopback; yields its ``tkv://`` URL."""
