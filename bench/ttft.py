@@ -11,7 +11,10 @@ on the GPU. Its KV lives in vLLM-shaped paged caches (per layer ``[2, blocks, 16
 NHD, block tables shuffled) registered with the engines; a transformers ``Cache`` subclass
 (`bench/ttft_model.py`) waits for each layer's load, writes the new tokens' KV into their slots
 and calls ``save_layer`` for layerwise stores. The model runs on its own thread, the engine on
-its event loop, as in a serving engine.
+its event loop, as in a serving engine. Timed prefills replay CUDA graphs of the model, one per
+decoder layer with the waits and saves between them (`PrefillGraphs`), as serving engines launch
+theirs; ``--launch eager`` runs transformers' forward instead, whose Python (about 1.5 ms per
+layer) then bounds short prefills and the token computed after a fully cached prompt.
 
 For each prompt length (2k, 8k, 32k; ``--quick``: 2k, 8k), with 0%, 50% and 100% of the prompt
 cached (100%: every chunk, the last token still computed for the logits), TTFT is the time from
@@ -85,7 +88,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ttft_model import LLAMA3_8B, TINY, ModelShape, PagedKV, build_model, prefill  # noqa: E402
+from bench.ttft_model import (  # noqa: E402
+    LLAMA3_8B,
+    TINY,
+    ModelShape,
+    PagedKV,
+    PrefillGraphs,
+    build_model,
+    prefill,
+)
 from tiered_kv import EngineConfig, TieredKVEngine  # noqa: E402
 from tiered_kv.benchmarks.remote import free_port  # noqa: E402
 from tiered_kv.engine import new_event_loop  # noqa: E402
@@ -191,6 +202,9 @@ class Options:
     l2_dir: str | None = None
     tiers: tuple[str, ...] = ("L1", "L2", "L3")
     seed: int = 0
+    # How the model's timed prefills launch: "graphs" (CUDA graphs per layer, as a serving
+    # engine) or "eager" (transformers' Python per op).
+    launch: str = "graphs"
 
     def __post_init__(self) -> None:
         for n in self.lengths:
@@ -201,6 +215,10 @@ class Options:
                 )
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if self.launch not in ("graphs", "eager"):
+            raise ValueError(f"launch must be 'graphs' or 'eager', got {self.launch!r}")
+        if self.launch == "graphs" and not self.device.startswith("cuda"):
+            raise ValueError(f"launch='graphs' needs a CUDA device, not {self.device!r}")
         unknown = set(self.tiers) - {"L1", "L2", "L3"}
         if unknown:
             raise ValueError(f"tiers: unknown {sorted(unknown)}; use L1, L2, L3")
@@ -218,6 +236,7 @@ class Options:
 def tiny_options(**overrides: Any) -> Options:
     values: dict[str, Any] = {
         "device": "cpu",
+        "launch": "eager",
         "shape": TINY,
         "lengths": (128, 512),
         "reps": 2,
@@ -466,17 +485,47 @@ def make_requests(
 # -- the model's thread -------------------------------------------------------------------------
 class ModelRunner:
     """Runs prefills on one dedicated thread (the model's), so the engine's loop stays free to
-    run layerwise stores while a prefill is under way."""
+    run layerwise stores while a prefill is under way. With ``graphs`` (CUDA only), prefills on
+    the default kernels replay `PrefillGraphs` of their shape, captured by `prepare`; those
+    under torch's deterministic algorithms (the correctness passes) run eagerly."""
 
-    def __init__(self, model: Any, paged: PagedKV, device: torch.device) -> None:
+    def __init__(self, model: Any, paged: PagedKV, device: torch.device, graphs: bool) -> None:
+        if graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device (use --launch eager)")
         self.model = model
         self.paged = paged
         self.device = device
+        self.graphs = graphs
+        self._captured: dict[tuple[int, int, int], PrefillGraphs] = {}
+        self.capture_s = 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @property
+    def captured_shapes(self) -> int:
+        return len(self._captured)
+
+    def _key(self, request: Request, prefix_tokens: int) -> tuple[int, int, int]:
+        return (request.num_tokens, prefix_tokens, request.slots.data_ptr())
+
+    async def prepare(self, request: Request, prefix_tokens: int) -> None:
+        """Capture the graphs of this prefill shape, if they are used and not captured yet
+        (outside any timed run: capturing runs one eager prefill of the shape)."""
+        key = self._key(request, prefix_tokens)
+        if not self.graphs or key in self._captured:
+            return
+
+        def capture() -> None:
+            start = time.perf_counter()
+            self._captured[key] = PrefillGraphs(
+                self.model, self.paged, request.slots, request.num_tokens, prefix_tokens
+            )
+            self.capture_s += time.perf_counter() - start
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, capture)
 
     async def prefill(
         self,
@@ -486,7 +535,18 @@ class ModelRunner:
         load: Any = None,
         on_layer_written: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        graphs = None
+        if self.graphs and not torch.are_deterministic_algorithms_enabled():
+            graphs = self._captured.get(self._key(request, prefix_tokens))
+            if graphs is None:
+                raise RuntimeError(
+                    f"{request.name}: no graphs for a prefill over {prefix_tokens} cached "
+                    "tokens (call prepare before timing it)"
+                )
+
         def run() -> torch.Tensor:
+            if graphs is not None:
+                return graphs.run(request.device_ids, load=load, on_layer_written=on_layer_written)
             return prefill(
                 self.model,
                 self.paged,
@@ -577,6 +637,7 @@ class Bench:
         the deterministic ``reference`` (`check_timed`)."""
         times: list[float] = []
         outputs: list[torch.Tensor] = []
+        await self.runner.prepare(request, prefix)
         for i in range(self.opts.reps + 1):  # the first is a warm-up
             self.runner.sync()
             start = time.perf_counter()
@@ -782,6 +843,7 @@ class Bench:
         saving: list[float] = []
         visible: list[float] = []
         reps = self.opts.reps
+        await self.runner.prepare(request, 0)
         for i in range(reps + 1):
             checked = i == 0
             with self.deterministic() if checked else contextlib.nullcontext():
@@ -881,6 +943,7 @@ class Bench:
         loaded = prefix = 0
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
         reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
+        await self.runner.prepare(request, request.compute_from)
         for i in range(reps + 1):
             if reset is not None:
                 await reset()
@@ -996,7 +1059,7 @@ async def run_bench(opts: Options) -> Report:
             else ""
         )
     )
-    runner = ModelRunner(model, paged, device)
+    runner = ModelRunner(model, paged, device, graphs=opts.launch == "graphs")
     bench = Bench(opts, report, runner)
     all_requests = {n: make_requests(opts, paged, n, device) for n in opts.lengths}
     workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=opts.l2_dir))
@@ -1044,6 +1107,8 @@ async def run_bench(opts: Options) -> Report:
     finally:
         runner.close()
         shutil.rmtree(workdir, ignore_errors=True)
+    report.options["graph_shapes"] = runner.captured_shapes
+    report.options["graph_capture_s"] = round(runner.capture_s, 2)
     for n in opts.lengths:
         for pct in (50, 100):
             bench.separation(n, pct)
@@ -1186,6 +1251,16 @@ def break_even(report: Report) -> dict[str, str]:
 
 def summary_lines(report: Report) -> list[str]:
     lines = []
+    launch = report.options.get("launch")
+    if launch == "graphs":
+        shapes = report.options.get("graph_shapes")
+        lines.append(
+            f"timed prefills replay CUDA graphs (one per layer; {shapes} shapes captured in "
+            f"{report.options.get('graph_capture_s', 0.0):.1f} s); "
+            "correctness passes run eagerly"
+        )
+    elif launch == "eager":
+        lines.append("timed prefills run transformers eagerly (Python launches every op)")
     lengths = sorted({c.tokens for c in report.cases})
     largest = lengths[-1] if lengths else 0
     for mode in ("layerwise", "whole"):
@@ -1463,6 +1538,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
     parser.add_argument("--png", type=Path, help="write the plots here (needs matplotlib)")
     parser.add_argument("--device", help="cuda (default) or cpu (the default with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="tiny model and prompts (CPU runs)")
+    parser.add_argument(
+        "--launch",
+        choices=("graphs", "eager"),
+        help="timed prefills from CUDA graphs per layer (default on CUDA) or eager transformers",
+    )
     parser.add_argument("--lengths", help="prompt lengths, comma-separated (e.g. 2048,8192)")
     parser.add_argument("--reps", type=int, help="timed runs per case (after one warm-up)")
     parser.add_argument("--tiers", default="L1,L2,L3", help="which of L1, L2, L3 to load from")
@@ -1487,6 +1567,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
         changes["reps"] = args.reps
     if args.cold_budget_s is not None:
         changes["cold_budget_s"] = args.cold_budget_s
+    device = changes.get("device", base.device)
+    changes["launch"] = args.launch or ("graphs" if device.startswith("cuda") else "eager")
     return dataclasses.replace(base, **changes), args
 
 

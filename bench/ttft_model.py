@@ -7,6 +7,12 @@ retrieves), (2) writes the new tokens' K/V into their slots (vLLM's ``reshape_an
 (3) calls ``on_layer_written(layer)`` (layerwise stores: ``saver.save_layer``), (4) returns the
 whole request's K/V, gathered from the paged cache into the contiguous form sdpa needs.
 
+`PrefillGraphs` runs the same prefill from CUDA graphs (one per decoder layer, plus the embedding
+and the head), as serving engines do: vLLM replays its model's pieces between attention ops from
+CUDA graphs, or runs compiled code. transformers' eager forward spends about 1.5 ms of Python per
+layer launching its kernels, longer than a layer's GPU work for short prompts and for the one
+token computed after a fully cached prefix: the TTFT would measure that Python, not the KV.
+
 Paged caches are vLLM's NHD layout: per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``.
 transformers is a bench-only requirement (not a tiered_kv dependency): this module imports it.
 """
@@ -14,6 +20,7 @@ transformers is a bench-only requirement (not a tiered_kv dependency): this modu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,7 +223,7 @@ def prefill(
 ) -> torch.Tensor:
     """Compute tokens ``prefix_tokens:`` of ``token_ids`` (on the model's device) over the
     prefix already in (or loading into) the paged cache; returns the last token's logits as
-    float32 on the host (the copy waits for the GPU: the first token is known)."""
+    float32 on the host (`logits_to_host` waits for the GPU: the first token is known)."""
     num_tokens = token_ids.numel()
     if not 0 <= prefix_tokens < num_tokens:
         raise ValueError(f"prefix_tokens must be in [0, {num_tokens}), got {prefix_tokens}")
@@ -230,4 +237,126 @@ def prefill(
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[0, -1].float().cpu()
+        return logits_to_host(out.logits[0, -1].float())
+
+
+def logits_to_host(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in pinned host memory, waited for with an event, as serving engines copy
+    their outputs. A plain ``.cpu()`` copies to pageable memory: that synchronous copy blocks
+    every other thread's CUDA calls until the GPU reaches it (measured on an H100, torch 2.11:
+    a thread's event record stalled 648 ms behind another thread's ``.cpu()`` of a 16-float
+    tensor queued after 640 ms of GEMMs), which would stall the engine's copies beside it."""
+    if logits.device.type != "cuda":
+        return logits.cpu()
+    host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    host.copy_(logits, non_blocking=True)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record()
+    done.synchronize()
+    return host
+
+
+class PrefillGraphs:
+    """One prefill shape (``num_tokens`` over a prefix of ``prefix_tokens`` in ``slots``) as
+    CUDA graphs: the embedding, each decoder layer, the final norm and the head. `run` replays
+    them with the same hooks as the eager `PagedPrefill`: ``load.wait_layer(i)`` before layer
+    i's graph, ``on_layer_written(i)`` after it (both on the caller's current stream).
+
+    Built from one eager prefill of the shape (it writes the new tokens' K/V into their slots,
+    as any prefill does): a pre-hook on the first decoder layer keeps the arguments transformers
+    made for it (attention mask, rotary embeddings, positions, the cache), and each layer is
+    captured with them. The graphs share one memory pool and replay in capture order, so each
+    layer's intermediates reuse the previous layers' memory. Capture only with the default
+    kernels (torch's deterministic algorithms off): a graph replays the kernels it captured.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        paged: PagedKV,
+        slots: torch.Tensor,
+        num_tokens: int,
+        prefix_tokens: int,
+    ) -> None:
+        if not 0 <= prefix_tokens < num_tokens:
+            raise ValueError(f"prefix_tokens must be in [0, {num_tokens}), got {prefix_tokens}")
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError("PrefillGraphs: capture with the default kernels, not deterministic")
+        device = paged.layers[0].device
+        self.num_tokens = num_tokens
+        self.prefix_tokens = prefix_tokens
+        self.num_layers = len(paged.layers)
+        self.ids = torch.zeros((1, num_tokens - prefix_tokens), dtype=torch.long, device=device)
+        positions = torch.arange(prefix_tokens, num_tokens, device=device).unsqueeze(0)
+        cache = PagedPrefill(paged, slots, prefix_tokens)
+        layers = list(model.model.layers)
+        seen: dict[str, Any] = {}
+
+        def keep(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            seen.setdefault("kwargs", dict(kwargs))
+
+        hook = layers[0].register_forward_pre_hook(keep, with_kwargs=True)
+        try:
+            with torch.inference_mode():
+                model(
+                    input_ids=self.ids,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        finally:
+            hook.remove()
+        kwargs = seen["kwargs"]
+        if kwargs.get("past_key_values") is not cache:
+            raise RuntimeError("PrefillGraphs: the decoder layers did not get the paged cache")
+        torch.cuda.synchronize(device)
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+        def capture(step: Callable[[], torch.Tensor]) -> torch.Tensor:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = step()
+            self.graphs.append(graph)
+            return out
+
+        with torch.inference_mode():
+            hidden = capture(lambda: model.model.embed_tokens(self.ids))
+            for layer in layers:
+                hidden = capture(functools.partial(_layer_output, layer, hidden, kwargs))
+            # As LlamaForCausalLM: the norm over every token, the head over the last one.
+            self.logits = capture(
+                lambda: model.lm_head(model.model.norm(hidden)[:, -1:, :]).float()
+            )
+        self._kwargs = kwargs  # the mask and rotary embeddings the layer graphs read
+
+    def run(
+        self,
+        token_ids: torch.Tensor,
+        *,
+        load: Any = None,
+        on_layer_written: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The prefill of ``token_ids`` (the whole request, on the model's device); returns
+        the last token's logits as float32 on the host, as `prefill`."""
+        if token_ids.numel() != self.num_tokens:
+            raise ValueError(
+                f"PrefillGraphs: captured for {self.num_tokens} tokens, got {token_ids.numel()}"
+            )
+        with torch.inference_mode():
+            self.ids.copy_(token_ids[self.prefix_tokens :].unsqueeze(0))
+            self.graphs[0].replay()
+            for layer in range(self.num_layers):
+                if load is not None:
+                    load.wait_layer(layer)
+                self.graphs[1 + layer].replay()
+                if on_layer_written is not None:
+                    on_layer_written(layer)
+            self.graphs[-1].replay()
+            return logits_to_host(self.logits[0, -1])
+
+
+def _layer_output(layer: Any, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out

@@ -1,6 +1,7 @@
 """Where the time of ``bench/ttft.py``'s slow cases goes (a diagnostic, not a figure).
 
-``PYTHONPATH=. python3 bench/ttft_profile.py [--tokens 32768] [--store-tokens 2048]``
+``PYTHONPATH=. python3 bench/ttft_profile.py [--tokens 32768] [--store-tokens 2048]
+[--launch graphs|eager]``
 
 1. The one-token prefill over a resident prefix: a torch.profiler table of its GPU kernels.
 2. A fully cached layerwise load from L1 beside the model: per layer, when the model's thread
@@ -14,8 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import itertools
 import statistics
+import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -54,11 +60,16 @@ async def main(args: argparse.Namespace) -> None:
     shape = LLAMA3_8B
     model = build_model(shape, device)
     paged = PagedKV(shape, -(-args.tokens // opts.block_size) + 8, opts.block_size, device)
-    runner = tt.ModelRunner(model, paged, device)
+    runner = tt.ModelRunner(model, paged, device, graphs=args.launch == "graphs")
     n = args.tokens
     requests = tt.make_requests(opts, paged, n, device)
     stored = requests[100]
     prefix = stored.compute_from
+    short = tt.make_requests(opts, paged, args.store_tokens, device)[100]
+    t = time.perf_counter()
+    for request, prefix_tokens in ((stored, 0), (stored, prefix), (short, 0)):
+        await runner.prepare(request, prefix_tokens)
+    print(f"launch: {args.launch} (prepared in {time.perf_counter() - t:.1f} s)", flush=True)
 
     def one(prefix_tokens: int, **kw: Any) -> torch.Tensor:
         return tt.prefill(model, paged, stored.device_ids, stored.slots, prefix_tokens, **kw)
@@ -99,6 +110,8 @@ async def main(args: argparse.Namespace) -> None:
                 start_ev = torch.cuda.Event(enable_timing=True)
                 start_ev.record()
                 t0 = time.perf_counter()
+                await engine.lookup(stored.host_ids)  # as a request arrives
+                t_lookup = time.perf_counter()
                 timed = None
                 if mode == "layerwise":
                     load = await engine.retrieve_layerwise(stored.host_ids, stored.block_ids)
@@ -122,8 +135,8 @@ async def main(args: argparse.Namespace) -> None:
                 totals.append(total)
                 assert torch.isfinite(logits).all()
                 line = (
-                    f"{mode} rep {rep}: TTFT {1e3 * total:.1f} ms, retrieve returned "
-                    f"{1e3 * (t_ret - t0):.1f} ms"
+                    f"{mode} rep {rep}: TTFT {1e3 * total:.1f} ms, lookup "
+                    f"{1e3 * (t_lookup - t0):.1f} ms, retrieve returned {1e3 * (t_ret - t0):.1f} ms"
                 )
                 print(line, flush=True)
                 if timed is not None and rep == args.reps:
@@ -136,7 +149,6 @@ async def main(args: argparse.Namespace) -> None:
                         )
             print(f"{mode}: median {1e3 * statistics.median(totals[1:]):.1f} ms", flush=True)
 
-        short = tt.make_requests(opts, paged, args.store_tokens, device)[100]
         plain, saving = [], []
         for rep in range(2 * args.reps + 1):
             torch.cuda.synchronize()
@@ -161,22 +173,92 @@ async def main(args: argparse.Namespace) -> None:
         )
         print("plain", [round(1e3 * x, 1) for x in plain])
         print("saving", [round(1e3 * x, 1) for x in saving])
-        loop = asyncio.get_running_loop()
+        await store_timeline(engine, runner, short, shape.num_layers)
         saver = await engine.store_layerwise(short.host_ids, short.block_ids)
-
-        def with_store() -> None:
-            tt.prefill(
-                model, paged, short.device_ids, short.slots, 0, on_layer_written=saver.save_layer
-            )
-
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            await loop.run_in_executor(None, with_store)
+            await runner.prefill(short, 0, on_layer_written=saver.save_layer)
             await saver.commit()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
     runner.close()
+
+
+async def store_timeline(engine: Any, runner: Any, request: Any, num_layers: int) -> None:
+    """One prefill with a layerwise store, per layer: when the model's thread called
+    ``save_layer``, when the loop queued that layer's copies, when the layer's compute ended on
+    the GPU; then when the logits reached the host and the chunks were committed."""
+    saver = await engine.store_layerwise(request.host_ids, request.block_ids)
+    called = [0.0] * num_layers
+    began = [0.0] * num_layers
+    queued = [0.0] * num_layers
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_layers)]
+    queue = saver._queue
+
+    def timed_queue(layer: int, after: Any) -> None:
+        began[layer] = time.perf_counter()
+        queue(layer, after)
+        queued[layer] = time.perf_counter()
+
+    saver._queue = timed_queue
+
+    def written(layer: int) -> None:
+        ends[layer].record()
+        saver.save_layer(layer)
+        called[layer] = time.perf_counter()
+
+    ticks: list[float] = []
+
+    async def watchdog() -> None:  # the loop's own stalls show as gaps between ticks
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.0005)
+
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    dog = asyncio.get_running_loop().create_task(watchdog())
+    samples: collections.Counter[str] = collections.Counter()
+    sampling = threading.Event()
+    loop_thread = threading.get_ident()
+
+    def sample() -> None:  # where the loop's thread is, every 2 ms
+        while not sampling.wait(0.002):
+            frame = sys._current_frames().get(loop_thread)
+            if frame is not None:
+                stack = traceback.extract_stack(frame)[-4:]
+                samples[" < ".join(f"{f.name}:{f.lineno}" for f in reversed(stack))] += 1
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    await runner.prefill(request, 0, on_layer_written=written)
+    t_logits = time.perf_counter()
+    sampling.set()
+    sampler.join()
+    dog.cancel()
+    for where, count in samples.most_common(3):
+        print(f"  the loop's thread, {count} samples: {where}")
+    gaps = sorted(((b - a, a - t0) for a, b in itertools.pairwise(ticks)), reverse=True)[:4]
+    print(
+        "  the loop's longest stalls (ms, from ms):",
+        [(round(1e3 * d, 1), round(1e3 * a, 1)) for d, a in gaps],
+    )
+    await saver.commit()
+    t_commit = time.perf_counter()
+    for layer in range(num_layers):
+        print(
+            f"  layer {layer:2d}: save_layer called {1e3 * (called[layer] - t0):7.2f}  the loop "
+            f"from {1e3 * (began[layer] - t0):7.2f} to {1e3 * (queued[layer] - t0):7.2f}  gpu end "
+            f"{start.elapsed_time(ends[layer]):7.2f} ms"
+        )
+    print(
+        f"  logits on the host {1e3 * (t_logits - t0):.2f} ms, committed "
+        f"{1e3 * (t_commit - t0):.2f} ms",
+        flush=True,
+    )
+    await engine.evict_l1()
 
 
 async def enqueue_profile(args: argparse.Namespace) -> None:
@@ -248,6 +330,7 @@ if __name__ == "__main__":
     parser.add_argument("--store-tokens", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--enqueue", action="store_true", help="no model: the enqueue's cost")
+    parser.add_argument("--launch", choices=("graphs", "eager"), default="graphs")
     args = parser.parse_args()
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(enqueue_profile(args) if args.enqueue else main(args))

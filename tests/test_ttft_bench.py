@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(message, allow_module_level=True)
 
 from bench import ttft
-from bench.ttft_model import TINY, PagedKV, build_model, prefill
+from bench.ttft_model import TINY, PagedKV, PrefillGraphs, build_model, prefill
 from tiered_kv.engine import new_event_loop
 
 
@@ -248,6 +248,59 @@ def test_cache_waits_for_each_layer_before_reading_and_saves_after_writing() -> 
     logits = prefill(model, paged, ids, slots, 32, load=RecordingLoad(), on_layer_written=saved)
     assert torch.isfinite(logits).all()
     assert events == [("wait", 0), ("saved", 0), ("wait", 1), ("saved", 1)]
+
+
+@pytest.mark.gpu
+def test_graphs_replay_the_eager_prefill_bit_for_bit_with_the_hooks_in_order() -> None:
+    cuda = torch.device("cuda")
+    model = build_model(TINY, cuda)
+    paged = PagedKV(TINY, 32, 16, cuda)
+    ids, blocks, slots = _tiny_request(paged, 96, seed=3)
+    ids = ids.to(cuda)
+    other = torch.randint(0, TINY.vocab, (96,), generator=torch.Generator().manual_seed(4)).to(cuda)
+    # Prefix 0 first: it writes the whole prompt's KV, which the other shapes read.
+    captured = {}
+    for prefix in (0, 64, 95):
+        eager = prefill(model, paged, ids, slots, prefix)
+        captured[prefix] = graphs = PrefillGraphs(model, paged, slots, 96, prefix)
+        assert torch.equal(graphs.run(ids), eager), prefix
+    # The graphs read the tokens given to `run`, not those they were captured with.
+    assert torch.equal(captured[0].run(other), prefill(model, paged, other, slots, 0))
+    assert not torch.equal(captured[0].run(ids), captured[0].run(other))
+    with pytest.raises(ValueError, match="captured for 96 tokens"):
+        captured[0].run(ids[:64])
+
+    prefill(model, paged, ids, slots, 0)
+    new_slots = slots[64:]
+    events: list[tuple[str, int]] = []
+
+    class RecordingLoad:
+        def wait_layer(self, layer: int, stream: object = None) -> None:
+            # Layer `layer`'s graph has not run yet: its new tokens' slots hold the poison.
+            assert torch.isnan(paged.layers[layer][0].view(-1, 2, 32)[new_slots]).all()
+            events.append(("wait", layer))
+
+    def saved(layer: int) -> None:
+        flat = paged.layers[layer].view(2, -1, TINY.kv_heads, TINY.head_dim)
+        assert torch.isfinite(flat[:, new_slots]).all()
+        events.append(("saved", layer))
+
+    expected = prefill(model, paged, ids, slots, 64)
+    paged.poison(blocks[4:])  # the blocks of tokens 64..95
+    logits = captured[64].run(ids, load=RecordingLoad(), on_layer_written=saved)
+    assert torch.equal(logits, expected)
+    assert events == [("wait", 0), ("saved", 0), ("wait", 1), ("saved", 1)]
+
+
+def test_graphs_are_the_default_on_cuda_and_refused_elsewhere() -> None:
+    assert ttft.parse_args([])[0].launch == "graphs"
+    assert ttft.parse_args(["--tiny"])[0].launch == "eager"
+    assert ttft.parse_args(["--device", "cpu"])[0].launch == "eager"
+    assert ttft.parse_args(["--launch", "eager"])[0].launch == "eager"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ttft.tiny_options(launch="graphs")
+    with pytest.raises(ValueError, match="'graphs' or 'eager'"):
+        ttft.Options(launch="compiled")
 
 
 def test_break_even_interpolates_in_log_length() -> None:
