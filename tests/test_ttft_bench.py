@@ -10,7 +10,7 @@ import asyncio
 import math
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -223,29 +223,35 @@ def test_prefill_reads_the_prefix_from_the_paged_cache() -> None:
     assert torch.isnan(prefill(model, paged, ids, slots, 64)).all()
 
 
+def _hook_recorder(
+    paged: PagedKV, new_slots: torch.Tensor
+) -> tuple[object, Callable[[int], None], list[tuple[str, int]]]:
+    """A load whose ``wait_layer`` and a ``saved`` hook that record their order, each checking
+    that layer's new slots: still the poison before the layer runs, K and V after it wrote."""
+    events: list[tuple[str, int]] = []
+
+    class RecordingLoad:
+        def wait_layer(self, layer: int, stream: object = None) -> None:
+            assert torch.isnan(paged.layers[layer][0].view(-1, 2, 32)[new_slots]).all()
+            events.append(("wait", layer))
+
+    def saved(layer: int) -> None:
+        flat = paged.layers[layer].view(2, -1, TINY.kv_heads, TINY.head_dim)
+        assert torch.isfinite(flat[:, new_slots]).all()
+        events.append(("saved", layer))
+
+    return RecordingLoad(), saved, events
+
+
 def test_cache_waits_for_each_layer_before_reading_and_saves_after_writing() -> None:
     cpu = torch.device("cpu")
     model = build_model(TINY, cpu)
     paged = PagedKV(TINY, 32, 16, cpu)
     ids, blocks, slots = _tiny_request(paged, 64, seed=2)
     prefill(model, paged, ids, slots, 0)  # the prefix's KV in place
-    events: list[tuple[str, int]] = []
-    new_slots = slots[32:]
-
-    class RecordingLoad:
-        def wait_layer(self, layer: int, stream: object = None) -> None:
-            # Before layer `layer` writes: its new tokens' slots still hold the poison.
-            assert torch.isnan(paged.layers[layer][0].view(-1, 2, 32)[new_slots]).all()
-            events.append(("wait", layer))
-
-    def saved(layer: int) -> None:
-        # After layer `layer` wrote: K and V of the new tokens are in their slots.
-        flat = paged.layers[layer].view(2, -1, TINY.kv_heads, TINY.head_dim)
-        assert torch.isfinite(flat[:, new_slots]).all()
-        events.append(("saved", layer))
-
+    load, saved, events = _hook_recorder(paged, slots[32:])
     paged.poison([blocks[2], blocks[3]])  # the blocks of tokens 32..63
-    logits = prefill(model, paged, ids, slots, 32, load=RecordingLoad(), on_layer_written=saved)
+    logits = prefill(model, paged, ids, slots, 32, load=load, on_layer_written=saved)
     assert torch.isfinite(logits).all()
     assert events == [("wait", 0), ("saved", 0), ("wait", 1), ("saved", 1)]
 
@@ -271,23 +277,10 @@ def test_graphs_replay_the_eager_prefill_bit_for_bit_with_the_hooks_in_order() -
         captured[0].run(ids[:64])
 
     prefill(model, paged, ids, slots, 0)
-    new_slots = slots[64:]
-    events: list[tuple[str, int]] = []
-
-    class RecordingLoad:
-        def wait_layer(self, layer: int, stream: object = None) -> None:
-            # Layer `layer`'s graph has not run yet: its new tokens' slots hold the poison.
-            assert torch.isnan(paged.layers[layer][0].view(-1, 2, 32)[new_slots]).all()
-            events.append(("wait", layer))
-
-    def saved(layer: int) -> None:
-        flat = paged.layers[layer].view(2, -1, TINY.kv_heads, TINY.head_dim)
-        assert torch.isfinite(flat[:, new_slots]).all()
-        events.append(("saved", layer))
-
     expected = prefill(model, paged, ids, slots, 64)
+    load, saved, events = _hook_recorder(paged, slots[64:])
     paged.poison(blocks[4:])  # the blocks of tokens 64..95
-    logits = captured[64].run(ids, load=RecordingLoad(), on_layer_written=saved)
+    logits = captured[64].run(ids, load=load, on_layer_written=saved)
     assert torch.equal(logits, expected)
     assert events == [("wait", 0), ("saved", 0), ("wait", 1), ("saved", 1)]
 
