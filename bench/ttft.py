@@ -72,9 +72,7 @@ import math
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -98,7 +96,7 @@ from bench.ttft_model import (  # noqa: E402
     prefill,
 )
 from tiered_kv import EngineConfig, TieredKVEngine  # noqa: E402
-from tiered_kv.benchmarks.remote import free_port  # noqa: E402
+from tiered_kv.benchmarks.remote import free_port, process  # noqa: E402
 from tiered_kv.engine import new_event_loop  # noqa: E402
 
 GiB = 1 << 30
@@ -405,29 +403,8 @@ def tkv_server(capacity: int, log_path: Path) -> Iterator[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     args = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(port)]
     args += ["--capacity", str(capacity)]
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"tiered-kv serve exited with {proc.returncode}: "
-                    f"{log_path.read_text(errors='replace')[-2000:]}"
-                )
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tiered-kv serve: nothing listens on port {port} after 60 s")
-            time.sleep(0.05)
+    with process(args, port, env=env, log_path=log_path, timeout_s=60.0):
         yield f"tkv://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- requests -----------------------------------------------------------------------------------
