@@ -6,7 +6,9 @@
 1. The one-token prefill over a resident prefix: a torch.profiler table of its GPU kernels.
 2. A fully cached layerwise load from L1 beside the model: per layer, when the model's thread
    got past ``wait_layer``, when the layer could start on the GPU (its load landed and the
-   previous layer was done) and when it finished.
+   previous layer was done) and when it finished; then, with graphs, host marks only (the
+   timing events above cost the model's thread time): retrieve's return, the model's first
+   and last waits, the enqueue's end, the logits.
 3. A short prefill with and without a layerwise store, alternating, and a profile of the
    store's kernels beside the model's.
 """
@@ -148,6 +150,11 @@ async def main(args: argparse.Namespace) -> None:
                             f"  kv written {start_ev.elapsed_time(done_ev[i]):6.1f} ms"
                         )
             print(f"{mode}: median {1e3 * statistics.median(totals[1:]):.1f} ms", flush=True)
+        if runner.graphs:
+            await model_marks(engine, runner, stored, prefix, shape.num_layers, args.reps)
+        if args.no_store:
+            runner.close()
+            return
 
         plain, saving = [], []
         for rep in range(2 * args.reps + 1):
@@ -183,6 +190,54 @@ async def main(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
     runner.close()
+
+
+async def model_marks(
+    engine: Any, runner: Any, request: Any, prefix: int, num_layers: int, reps: int
+) -> None:
+    """Host clock marks of a fully cached layerwise load with the graphs' model (no events on
+    the model's stream): when retrieve returned, when the model's thread got past the waits of
+    layers 0 and ``num_layers - 1``, when the enqueue ended, when the logits reached the host."""
+    from bench.ttft_model import logits_to_host
+    from tiered_kv.gpu.events import CudaLayerLoad
+
+    graphs = runner._captured[runner._key(request, prefix)]
+    marks: dict[str, float] = {}
+    end_enqueue = CudaLayerLoad.end_enqueue
+
+    def ended(self: CudaLayerLoad, error: BaseException | None) -> None:
+        marks.setdefault("enqueue ended", time.perf_counter())
+        end_enqueue(self, error)
+
+    def run(load: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            graphs.ids.copy_(request.device_ids[graphs.prefix_tokens :].unsqueeze(0))
+            graphs.graphs[0].replay()
+            for layer in range(num_layers):
+                load.wait_layer(layer)
+                if layer in (0, num_layers - 1):
+                    marks[f"past wait {layer}"] = time.perf_counter()
+                graphs.graphs[1 + layer].replay()
+            graphs.graphs[-1].replay()
+            return logits_to_host(graphs.logits[0, -1])
+
+    CudaLayerLoad.end_enqueue = ended  # type: ignore[method-assign]
+    try:
+        for rep in range(reps + 1):
+            marks.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            await engine.lookup(request.host_ids)
+            load = await engine.retrieve_layerwise(request.host_ids, request.block_ids)
+            marks["retrieve returned"] = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(runner._executor, run, load)
+            marks["logits on the host"] = time.perf_counter()
+            await load.wait()
+            if rep:
+                order = sorted(marks.items(), key=lambda kv: kv[1])
+                print("  marks (ms): " + ", ".join(f"{k} {1e3 * (v - t0):.2f}" for k, v in order))
+    finally:
+        CudaLayerLoad.end_enqueue = end_enqueue  # type: ignore[method-assign]
 
 
 async def store_timeline(engine: Any, runner: Any, request: Any, num_layers: int) -> None:
@@ -331,6 +386,10 @@ if __name__ == "__main__":
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--enqueue", action="store_true", help="no model: the enqueue's cost")
     parser.add_argument("--launch", choices=("graphs", "eager"), default="graphs")
+    parser.add_argument("--no-store", action="store_true", help="loads only")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(enqueue_profile(args) if args.enqueue else main(args))

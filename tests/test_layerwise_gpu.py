@@ -245,6 +245,89 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
     assert leaked == 0
 
 
+class SlowEnqueueMover(CudaMover):
+    """Sleeps on the loop's thread before enqueueing each launch that copies a layer from
+    ``slow_from`` on, so the enqueue of the later layers takes ``SLOW_S`` each."""
+
+    slow_from = 2
+
+    def _launch_jobs(
+        self,
+        state: Any,
+        group: GroupPlan,
+        jobs: Sequence[Job],
+        *,
+        side: Any,
+        to_host: bool,
+        block_size: int,
+        device_ids: int,
+        ctas: int,
+    ) -> None:
+        if not to_host and any(job[4] >= self.slow_from for job in jobs):
+            time.sleep(SLOW_S)
+        super()._launch_jobs(
+            state,
+            group,
+            jobs,
+            side=side,
+            to_host=to_host,
+            block_size=block_size,
+            device_ids=device_ids,
+            ctas=ctas,
+        )
+
+
+SLOW_S = 0.05
+
+
+async def test_a_load_returns_once_a_layer_is_queued() -> None:
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=5, device="cuda"
+    )
+    layout = _layout(caches.entries, caches.hints)
+    # Slots of one layer's worth: one fill per layer; the call returns once layer 0 is queued.
+    mover = SlowEnqueueMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
+        objs = _objects(arena, layout, 96)
+        await mover.gather(layout, src, _transfers(objs, 0))
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        torch.cuda.synchronize()
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        assert isinstance(load, CudaLayerLoad)
+        # Returned with layer 0 queued and the slow layers not: layer 0 needs no host wait
+        # even on the loop's thread, layer 3 would.
+        assert not load.all_enqueued.is_set()
+        stream = torch.cuda.Stream()
+        load.wait_layer(0, stream)
+        with pytest.raises(EngineStateError, match="before the load was enqueued"):
+            load.wait_layer(3, stream)
+
+        def model_thread() -> bool:
+            load.wait_layer(2, stream)
+            return load.all_enqueued.is_set()
+
+        # From the model's thread, a layer not queued yet waits for the whole enqueue (the GIL:
+        # see `CudaLayerLoad`): SLOW_S per launch of layers 2-3.
+        assert await asyncio.to_thread(model_thread)
+        await load.enqueued()
+        for layer in (1, 3):
+            load.wait_layer(layer, stream)
+        stream.synchronize()
+        await load.wait()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        assert caches.bytes_equal(expected)
+        for obj in objs:
+            obj.unref()
+    finally:
+        await mover.aclose()
+        leaked = arena.close()
+    assert leaked == 0
+
+
 async def _retrieves_what_was_stored(
     engine: TieredKVEngine, caches: Any, tokens: list[int], src: list[int], dst: list[int]
 ) -> None:
@@ -346,9 +429,7 @@ async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fm
             if skip == 0:  # from the model's thread: each wait holds until its layer is queued
                 stream = torch.cuda.current_stream()
                 await asyncio.get_running_loop().run_in_executor(None, load.wait_all, stream)
-            else:
-                with pytest.raises(EngineStateError, match="enqueued"):
-                    load.wait_layer(3)  # on the loop thread, before the enqueue ran
+            else:  # on the loop's thread: after the enqueue
                 await load.enqueued()
                 load.wait_all()
             torch.cuda.current_stream().synchronize()

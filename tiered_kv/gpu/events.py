@@ -68,15 +68,17 @@ class CudaLayerLoad(LayerLoad):
     goes on. ``events[i]`` is recorded once the last copy of model layer ``i`` is queued;
     ``result`` resolves when the waiter has seen the whole call finish.
 
-    `wait_layer` from another thread (the model's) blocks until the whole load is enqueued,
-    then orders the stream after layer ``i``'s event: on the GPU each layer waits for its own
-    copies only. The host waits for the whole enqueue, not layer ``i``'s part of it, because
-    the enqueue (Python on the loop thread, tens of microseconds per staging fill) and the
-    model's kernel launches share the GIL: run side by side they hand it back and forth at
-    every driver call and each stalls the other for up to the interpreter's switch interval.
-    Measured on an H100 (bench/ttft_profile.py, 32k tokens of Llama-3-8B KV, 131 fills): the
-    enqueue alone takes 16-26 ms; beside the model's launches it took over 60 ms and starved
-    the copy engine, so the last layer landed 30-40 ms later than the copies needed. On the
+    `CudaMover.scatter_layerwise` returns once the first layer's copies are queued (`lead`),
+    so the model can start at once: waits for layers already queued never block the host. For
+    a layer not queued yet, `wait_layer` from another thread (the model's) blocks until the
+    whole load is enqueued, then orders the stream after layer ``i``'s event: on the GPU each
+    layer waits for its own copies only. Not until that layer's part is queued, because the
+    enqueue (Python on the loop thread) and the model's thread share the GIL, and the driver
+    calls of the enqueue release it at every call: woken per layer, the two hand it back and
+    forth. Measured on an H100 with Llama-3-8B's KV (docs/benchmarks.md): with eager
+    launches, a 32k-token enqueue of 16-26 ms took over 60 ms and starved the copy engine; with
+    CUDA graphs, per-layer host waits stretched an 8k-token enqueue from 7.2-8.5 ms to
+    10.1-11.7 ms and its TTFT from 23.3-23.5 ms to 24.5-27.8 ms. On the
     loop's own thread `wait_layer` never blocks (the enqueue needs the loop): there, ``await
     enqueued()`` first.
     """
@@ -88,6 +90,7 @@ class CudaLayerLoad(LayerLoad):
         self.all_enqueued = threading.Event()
         self._has_event = [False] * num_layers
         self._loop_thread = threading.get_ident()
+        self.lead = asyncio.Event()  # set once a layer's copies (or all of them) are queued
         self.task: asyncio.Task[None] | None = None  # the enqueue
         self.result: asyncio.Future[float] | None = None  # the GPU work
         self.error: BaseException | None = None
@@ -98,14 +101,19 @@ class CudaLayerLoad(LayerLoad):
         self.events[layer].record(stream)
         self._has_event[layer] = True
 
+    def lead_queued(self) -> None:
+        """Loop thread: a layer is queued, the caller may start (`scatter_layerwise` returns)."""
+        self.lead.set()
+
     def end_enqueue(self, error: BaseException | None) -> None:
         """Loop thread, once the enqueue ended (whole, or failed): release every waiter."""
         self.error = error
         self.all_enqueued.set()
+        self.lead.set()
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         self._check(layer)
-        if not self.all_enqueued.is_set():
+        if not self._has_event[layer] and not self.all_enqueued.is_set():
             if threading.get_ident() == self._loop_thread:
                 raise EngineStateError(
                     f"wait_layer({layer}) on the engine's loop thread before the load was "

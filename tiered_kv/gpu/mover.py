@@ -218,10 +218,11 @@ class CudaMover(KVMover):
     async def scatter_layerwise(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> LayerLoad:
-        """Returns at once: a task of the loop enqueues the load (one fill after another,
-        recording each layer's event as its last copy is queued) while the caller starts its
-        model, whose `wait_layer` waits for each layer in turn. The references to the objects
-        are taken here, before returning."""
+        """Returns once the first layer's copies are queued (waits for the layers queued by
+        then need no host wait): a task of the loop goes on enqueueing the load (one fill after
+        another, recording each layer's event as its last copy is queued) while the caller
+        starts its model, whose `wait_layer` waits for each layer in turn. The references to
+        the objects are taken here, before the task starts."""
         load = CudaLayerLoad(self._state(layout.device).device, layout.num_layers)
         if not transfers:
             load.end_enqueue(None)
@@ -251,6 +252,7 @@ class CudaMover(KVMover):
             load.end_enqueue(error)
 
         task.add_done_callback(enqueued)
+        await load.lead.wait()  # cancelling this wait leaves the task to enqueue the whole load
         return load
 
     def begin_gather(
@@ -766,8 +768,13 @@ class CudaMover(KVMover):
             if call.trace is not None and not queued:
                 call.trace["first_copy"] = time.perf_counter()
             queued += nbytes
-            if queued >= lead and not cancelled:
-                # A lead is queued: let a concurrent call of the other direction enqueue too.
+            # A layerwise load's caller may start its model once a layer is queued.
+            started = call.load is not None and bool(fill.completes)
+            if (queued >= lead or started) and not cancelled:
+                # A lead is queued: let a concurrent call of the other direction enqueue too,
+                # and a layerwise load's caller start its model.
+                if call.load is not None:
+                    call.load.lead_queued()
                 try:
                     await asyncio.sleep(0)
                 except asyncio.CancelledError:
