@@ -11,9 +11,10 @@ mover, and a layerwise store round-trips.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -151,15 +152,36 @@ async def test_layerwise_scatter_of_interleaved_groups(
     assert leaked == 0
 
 
-class DelayedLayerMover(CudaMover):
-    """Queues a long sleep on the load kernel stream before the launch that copies
-    ``delayed_layer`` (a single-group layout: local layer == model layer)."""
+@contextlib.asynccontextmanager
+async def _one_layer_per_fill(mover: CudaMover, seed: int) -> AsyncIterator[Any]:
+    """Four layers of three stored chunks (blocks 0-5) and the mover, with staging slots of one
+    layer's worth (3 chunks x 2 KiB: one fill per layer); yields (caches, layout, objs, src,
+    dst, reference) with ``dst`` poisoned; checks that nothing leaked."""
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=seed, device="cuda"
+    )
+    layout = _layout(caches.entries, caches.hints)
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
+        objs = _objects(arena, layout, 96)
+        await mover.gather(layout, src, _transfers(objs, 0))
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        yield caches, layout, objs, src, dst, reference
+        for obj in objs:
+            obj.unref()
+    finally:
+        await mover.aclose()
+        leaked = arena.close()
+    assert leaked == 0
 
-    delayed_layer = 2
 
-    def __init__(self, options: MoverOptions) -> None:
-        super().__init__(options)
-        self.sleep_end = torch.cuda.Event(enable_timing=True)
+class HookedMover(CudaMover):
+    """Calls ``before_launch`` on the loop's thread before each copy kernel is enqueued."""
+
+    def before_launch(self, side: Any, to_host: bool, jobs: Sequence[Job]) -> None:
+        pass
 
     def _launch_jobs(
         self,
@@ -173,10 +195,7 @@ class DelayedLayerMover(CudaMover):
         device_ids: int,
         ctas: int,
     ) -> None:
-        if not to_host and any(job[4] == self.delayed_layer for job in jobs):
-            with torch.cuda.stream(side.kernel_stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                self.sleep_end.record()
+        self.before_launch(side, to_host, jobs)
         super()._launch_jobs(
             state,
             group,
@@ -189,20 +208,26 @@ class DelayedLayerMover(CudaMover):
         )
 
 
+class DelayedLayerMover(HookedMover):
+    """Queues a long sleep on the load kernel stream before the launch that copies
+    ``delayed_layer`` (a single-group layout: local layer == model layer)."""
+
+    delayed_layer = 2
+
+    def __init__(self, options: MoverOptions) -> None:
+        super().__init__(options)
+        self.sleep_end = torch.cuda.Event(enable_timing=True)
+
+    def before_launch(self, side: Any, to_host: bool, jobs: Sequence[Job]) -> None:
+        if not to_host and any(job[4] == self.delayed_layer for job in jobs):
+            with torch.cuda.stream(side.kernel_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                self.sleep_end.record()
+
+
 async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_back() -> None:
-    caches = make_caches(
-        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=9, device="cuda"
-    )
-    layout = _layout(caches.entries, caches.hints)
-    # Slots of one layer's worth (3 chunks x 2 KiB): no fill mixes two layers.
     mover = DelayedLayerMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
-    arena = HostArena(16 << 20, pin=True)
-    try:
-        src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
-        objs = _objects(arena, layout, 96)
-        await mover.gather(layout, src, _transfers(objs, 0))
-        reference = caches.snapshot()
-        poison_blocks(caches, dst)
+    async with _one_layer_per_fill(mover, 9) as (caches, layout, objs, src, dst, reference):
         src_index = torch.tensor(src, device="cuda")
         dst_index = torch.tensor(dst, device="cuda")
         waiting = torch.cuda.Stream()
@@ -237,63 +262,26 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
         for layer, copy in ((1, early_copy), (2, waited_copy)):
             want = reference[layer][0][:, src_index]
             assert torch.equal(copy.view(torch.uint8), want.view(torch.uint8)), layer
-        for obj in objs:
-            obj.unref()
-    finally:
-        await mover.aclose()
-        leaked = arena.close()
-    assert leaked == 0
 
 
-class SlowEnqueueMover(CudaMover):
+class SlowEnqueueMover(HookedMover):
     """Sleeps on the loop's thread before enqueueing each launch that copies a layer from
     ``slow_from`` on, so the enqueue of the later layers takes ``SLOW_S`` each."""
 
     slow_from = 2
 
-    def _launch_jobs(
-        self,
-        state: Any,
-        group: GroupPlan,
-        jobs: Sequence[Job],
-        *,
-        side: Any,
-        to_host: bool,
-        block_size: int,
-        device_ids: int,
-        ctas: int,
-    ) -> None:
+    def before_launch(self, side: Any, to_host: bool, jobs: Sequence[Job]) -> None:
         if not to_host and any(job[4] >= self.slow_from for job in jobs):
             time.sleep(SLOW_S)
-        super()._launch_jobs(
-            state,
-            group,
-            jobs,
-            side=side,
-            to_host=to_host,
-            block_size=block_size,
-            device_ids=device_ids,
-            ctas=ctas,
-        )
 
 
 SLOW_S = 0.05
 
 
 async def test_a_load_returns_once_a_layer_is_queued() -> None:
-    caches = make_caches(
-        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=5, device="cuda"
-    )
-    layout = _layout(caches.entries, caches.hints)
-    # Slots of one layer's worth: one fill per layer; the call returns once layer 0 is queued.
+    # One fill per layer: the call returns once layer 0 is queued.
     mover = SlowEnqueueMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
-    arena = HostArena(16 << 20, pin=True)
-    try:
-        src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
-        objs = _objects(arena, layout, 96)
-        await mover.gather(layout, src, _transfers(objs, 0))
-        reference = caches.snapshot()
-        poison_blocks(caches, dst)
+    async with _one_layer_per_fill(mover, 5) as (caches, layout, objs, src, dst, reference):
         expected = caches.snapshot()
         torch.cuda.synchronize()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
@@ -320,12 +308,6 @@ async def test_a_load_returns_once_a_layer_is_queued() -> None:
         await load.wait()
         expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
         assert caches.bytes_equal(expected)
-        for obj in objs:
-            obj.unref()
-    finally:
-        await mover.aclose()
-        leaked = arena.close()
-    assert leaked == 0
 
 
 async def _retrieves_what_was_stored(
