@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
-from tiered_kv import EngineConfig, EngineStateError, TieredKVEngine
+from tiered_kv import EngineConfig, TieredKVEngine, TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.events import CudaLayerLoad
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
@@ -264,50 +265,106 @@ async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_bac
             assert torch.equal(copy.view(torch.uint8), want.view(torch.uint8)), layer
 
 
-class SlowEnqueueMover(HookedMover):
-    """Sleeps on the loop's thread before enqueueing each launch that copies a layer from
-    ``slow_from`` on, so the enqueue of the later layers takes ``SLOW_S`` each."""
+class RecordingMover(HookedMover):
+    """Records, per scatter launch, the thread that queued it and the layers it copies; raises
+    before the launch of ``fail_layer`` (a fault while enqueueing)."""
 
-    slow_from = 2
+    fail_layer: int | None = None
+
+    def __init__(self, options: MoverOptions) -> None:
+        super().__init__(options)
+        self.launches: list[tuple[int, set[int]]] = []
 
     def before_launch(self, side: Any, to_host: bool, jobs: Sequence[Job]) -> None:
-        if not to_host and any(job[4] >= self.slow_from for job in jobs):
-            time.sleep(SLOW_S)
+        if to_host:
+            return
+        layers = {job[4] for job in jobs}
+        if self.fail_layer in layers:
+            raise RuntimeError(f"injected fault before layer {self.fail_layer}'s launch")
+        self.launches.append((threading.get_ident(), layers))
+
+    def threads_of(self, layer: int) -> set[int]:
+        return {thread for thread, layers in self.launches if layer in layers}
 
 
-SLOW_S = 0.05
+def _one_fill_per_layer_mover(**kw: Any) -> RecordingMover:
+    # 6 KiB slots: one fill per layer; the lead (two slots) is two layers ahead of a wait.
+    mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+    for name, value in kw.items():
+        setattr(mover, name, value)
+    return mover
 
 
-async def test_a_load_returns_once_a_layer_is_queued() -> None:
-    # One fill per layer: the call returns once layer 0 is queued.
-    mover = SlowEnqueueMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
+    mover = _one_fill_per_layer_mover()
     async with _one_layer_per_fill(mover, 5) as (caches, layout, objs, src, dst, reference):
         expected = caches.snapshot()
-        torch.cuda.synchronize()
+        loop_thread = threading.get_ident()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad)
-        # Returned with layer 0 queued and the slow layers not: layer 0 needs no host wait
-        # even on the loop's thread, layer 3 would.
-        assert not load.all_enqueued.is_set()
+        # Returned with layer 0 and the two-layer lead queued (by the loop), not layer 3.
+        assert load._has_event == [True, True, True, False]
+        assert mover.threads_of(2) == {loop_thread}
         stream = torch.cuda.Stream()
-        load.wait_layer(0, stream)
-        with pytest.raises(EngineStateError, match="before the load was enqueued"):
-            load.wait_layer(3, stream)
 
-        def model_thread() -> bool:
-            load.wait_layer(2, stream)
-            return load.all_enqueued.is_set()
+        def model_thread() -> int:
+            load.wait_all(stream)
+            return threading.get_ident()
 
-        # From the model's thread, a layer not queued yet waits for the whole enqueue (the GIL:
-        # see `CudaLayerLoad`): SLOW_S per launch of layers 2-3.
-        assert await asyncio.to_thread(model_thread)
-        await load.enqueued()
-        for layer in (1, 3):
-            load.wait_layer(layer, stream)
+        model = await asyncio.to_thread(model_thread)
+        assert model != loop_thread
+        assert mover.threads_of(3) == {model}  # queued by the waiter, not the loop
         stream.synchronize()
         await load.wait()
+        assert load.done()
         expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
         assert caches.bytes_equal(expected)
+
+
+async def test_a_load_nobody_waits_for_is_queued_by_the_loop_and_completes() -> None:
+    mover = _one_fill_per_layer_mover()
+    async with _one_layer_per_fill(mover, 6) as (caches, layout, objs, src, dst, reference):
+        expected = caches.snapshot()
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        assert isinstance(load, CudaLayerLoad) and load.pulled is not None
+        assert not load._has_event[3]
+        # No wait_layer, no wait(): the loop queues the rest once the copies should be over.
+        await asyncio.wait_for(asyncio.shield(load.pulled), timeout=30)
+        assert mover.threads_of(3) == {threading.get_ident()}
+        await load.wait()
+        assert load.done()
+        torch.cuda.synchronize()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        assert caches.bytes_equal(expected)
+
+
+async def test_a_fault_while_the_model_thread_enqueues_fails_that_layer_and_leaks_nothing() -> None:
+    mover = _one_fill_per_layer_mover(fail_layer=3)
+    async with _one_layer_per_fill(mover, 7) as (caches, layout, objs, src, dst, reference):
+        poisoned = caches.snapshot()
+        expected = caches.snapshot()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        stream = torch.cuda.Stream()
+
+        def model_thread() -> None:
+            for layer in range(3):
+                load.wait_layer(layer, stream)
+            with pytest.raises(TieredKVError, match=r"before layer 3.*injected fault"):
+                load.wait_layer(3, stream)
+
+        await asyncio.to_thread(model_thread)
+        with pytest.raises(TieredKVError, match="injected fault"):
+            await load.wait()
+        assert load.done()
+        stream.synchronize()
+        # The layers queued before the fault landed whole; layer 3 was never written.
+        after = caches.snapshot()
+        for layer in range(3):
+            assert torch.equal(
+                after[layer][0].view(torch.uint8), expected[layer][0].view(torch.uint8)
+            )
+        assert torch.equal(after[3][0].view(torch.uint8), poisoned[3][0].view(torch.uint8))
 
 
 async def _retrieves_what_was_stored(

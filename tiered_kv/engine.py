@@ -537,8 +537,8 @@ class TieredKVEngine:
         model_name: str | None = None,
         policy: str | None = None,
     ) -> LayerwiseRetrieve:
-        """Start loading the cached prefix layer by layer; returns once it is decided and
-        enqueued, before any layer is ready.
+        """Start loading the cached prefix layer by layer; returns once it is decided and its
+        first layers' copies are queued, before any layer is ready.
 
         Which chunks are delivered is settled first, as `retrieve_detailed` settles it (loads
         from L2/L3 waited for per the prefetch policy): ``result`` is final when this returns,

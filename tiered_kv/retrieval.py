@@ -57,13 +57,14 @@ class RetrieveResult:
 
 
 class LayerwiseRetrieve:
-    """A layerwise retrieve whose chunks are decided (`result`) and whose copies are enqueued.
+    """A layerwise retrieve whose chunks are decided (`result`) and whose copies are started.
 
     ``wait_layer(i)`` orders a stream after layer ``i`` of every delivered chunk (GPU-side; on
     CPU caches it blocks until that layer is copied); ``await wait()`` until every copy is done.
-    The copies may still be being enqueued when the retrieve returns: from the model's thread
-    ``wait_layer`` waits for the enqueue (on the GPU, still for layer ``i``'s copies only); on
-    the engine's loop thread ``await enqueued()`` first.
+    On the GPU the retrieve returns once the first layers' copies are queued, and
+    ``wait_layer(i)`` queues the copies it needs itself, on the calling thread (the model's,
+    usually): no other thread has to keep up with the model. Copies nobody waits for are
+    queued by ``enqueued``/``wait``, or by the engine's loop once they should have ended.
     Layers are the registration order of the caches (`KVCacheLayout.layer_names`).
     """
 
@@ -85,8 +86,8 @@ class LayerwiseRetrieve:
         return self._load.done()
 
     async def enqueued(self) -> None:
-        """Until every layer's copies are queued: needed only before `wait_layer` on the
-        engine's own loop thread (from the model's thread, `wait_layer` waits for that)."""
+        """Until every layer's copies are queued (raises `TieredKVError` if queueing failed);
+        `wait_layer` never needs it."""
         await self._load.enqueued()
 
     async def wait(self) -> None:

@@ -94,9 +94,8 @@ class LayerLoad(abc.ABC):
             self.wait_layer(layer, stream)
 
     async def enqueued(self) -> None:
-        """Until every layer's copies are queued (after it, `wait_layer` never blocks the
-        host); raises `TieredKVError` when enqueueing failed. Movers that enqueue before
-        returning the load are always there."""
+        """Until every layer's copies are queued; raises `TieredKVError` when enqueueing
+        failed. Movers that enqueue before returning the load are always there."""
         return None
 
     @abc.abstractmethod

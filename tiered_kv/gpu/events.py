@@ -12,12 +12,12 @@ import array
 import asyncio
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from tiered_kv.errors import EngineStateError, LayoutError, TieredKVError
+from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import LayerLoad
 from tiered_kv.gpu.kernels import check_driver
 
@@ -64,23 +64,24 @@ class CallBuffers:
 
 
 class CudaLayerLoad(LayerLoad):
-    """A layerwise scatter on the load streams, enqueued by a task of the loop while its caller
-    goes on. ``events[i]`` is recorded once the last copy of model layer ``i`` is queued;
-    ``result`` resolves when the waiter has seen the whole call finish.
+    """A layerwise scatter on the load streams. ``events[i]`` is recorded once the last copy of
+    model layer ``i`` is queued; ``result`` resolves when the waiter has seen the whole call
+    finish.
 
-    `CudaMover.scatter_layerwise` returns once the first layer's copies are queued (`lead`),
-    so the model can start at once: waits for layers already queued never block the host. For
-    a layer not queued yet, `wait_layer` from another thread (the model's) blocks until the
-    whole load is enqueued, then orders the stream after layer ``i``'s event: on the GPU each
-    layer waits for its own copies only. Not until that layer's part is queued, because the
-    enqueue (Python on the loop thread) and the model's thread share the GIL, and the driver
-    calls of the enqueue release it at every call: woken per layer, the two hand it back and
-    forth. Measured on an H100 with Llama-3-8B's KV (docs/benchmarks.md): with eager
-    launches, a 32k-token enqueue of 16-26 ms took over 60 ms and starved the copy engine; with
-    CUDA graphs, per-layer host waits stretched an 8k-token enqueue from 7.2-8.5 ms to
-    10.1-11.7 ms and its TTFT from 23.3-23.5 ms to 24.5-27.8 ms. On the
-    loop's own thread `wait_layer` never blocks (the enqueue needs the loop): there, ``await
-    enqueued()`` first.
+    On the staging path (`CudaMover.scatter_layerwise` returns once the first layers are
+    queued) the rest is queued by its waiters (``pull``, a `_LoadPull` of the mover):
+    ``wait_layer(i)`` queues the copies through layer ``i`` and a lead beyond it on the calling
+    thread, then orders the stream after layer ``i``'s event, so on the GPU each layer waits
+    for its own copies only and the host never waits for another thread. The model's own
+    thread does the enqueue because a second Python thread enqueueing beside the model costs
+    both: they share the GIL, and the enqueue's driver calls release it at every call, so they
+    hand it back and forth. Measured on an H100 with Llama-3-8B's KV (docs/benchmarks.md): with
+    eager launches, a 32k-token enqueue on the loop's thread took over 60 ms instead of
+    16-26 ms and starved the copy engine; with CUDA graphs, waking the model per queued layer
+    stretched an 8k-token enqueue from 7.2-8.5 ms to 10.1-11.7 ms.
+
+    Other paths (a kernel or a batched copy per layer) are enqueued whole by a task of the
+    loop (``task``) before the call returns.
     """
 
     def __init__(self, device: torch.device, num_layers: int) -> None:
@@ -89,21 +90,21 @@ class CudaLayerLoad(LayerLoad):
         self.events = [torch.cuda.Event() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
         self.all_enqueued = threading.Event()
         self._has_event = [False] * num_layers
-        self._loop_thread = threading.get_ident()
-        self.lead = asyncio.Event()  # set once a layer's copies (or all of them) are queued
+        self.lead = asyncio.Event()  # set once the task's enqueue ended
         self.task: asyncio.Task[None] | None = None  # the enqueue
         self.result: asyncio.Future[float] | None = None  # the GPU work
         self.error: BaseException | None = None
         self.call_owns_objects = False  # set once the enqueue's call holds the references
+        # Staging loads are enqueued by their waiters: ``pull(i)`` queues the copies through
+        # layer i (and a lead beyond it) on the calling thread, ``pull(None)`` all of them;
+        # ``pulled`` resolves on the loop once the whole load is queued and handed to the waiter.
+        self.pull: Callable[[int | None], None] | None = None
+        self.pulled: asyncio.Future[None] | None = None
 
     def record_layer(self, layer: int, stream: torch.cuda.Stream) -> None:
-        """Loop thread: layer ``layer``'s last copy is queued on ``stream``."""
+        """The enqueueing thread: layer ``layer``'s last copy is queued on ``stream``."""
         self.events[layer].record(stream)
         self._has_event[layer] = True
-
-    def lead_queued(self) -> None:
-        """Loop thread: a layer is queued, the caller may start (`scatter_layerwise` returns)."""
-        self.lead.set()
 
     def end_enqueue(self, error: BaseException | None) -> None:
         """Loop thread, once the enqueue ended (whole, or failed): release every waiter."""
@@ -113,13 +114,8 @@ class CudaLayerLoad(LayerLoad):
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         self._check(layer)
-        if not self._has_event[layer] and not self.all_enqueued.is_set():
-            if threading.get_ident() == self._loop_thread:
-                raise EngineStateError(
-                    f"wait_layer({layer}) on the engine's loop thread before the load was "
-                    "enqueued: `await load.enqueued()` first, or wait from the model's thread"
-                )
-            self.all_enqueued.wait()
+        if self.pull is not None:
+            self.pull(layer)
         if not self._has_event[layer]:
             raise TieredKVError(f"layerwise load failed before layer {layer}: {self.error}")
         if stream is None:
@@ -129,11 +125,16 @@ class CudaLayerLoad(LayerLoad):
     def done(self) -> bool:
         if self.task is not None and not self.task.done():
             return False
+        if self.pulled is not None and not self.pulled.done():
+            return False
         if self.error is not None:
             return True  # the enqueue failed: what it had queued was waited for and released
         return self.result is None or self.result.done()
 
     async def enqueued(self) -> None:
+        if self.pull is not None and self.pulled is not None:
+            self.pull(None)
+            await asyncio.shield(self.pulled)
         if self.task is not None:
             await asyncio.shield(self.task)
         if self.error is not None:

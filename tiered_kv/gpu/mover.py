@@ -26,10 +26,12 @@ order every use of a slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -74,6 +76,7 @@ _PARAMS_SIZE = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size
 _THREADS = 256
 _UNROLL = 4  # TKV_UNROLL
 LEAD_SLOTS = 2  # staging enqueues this many slots' worth before yielding to the loop
+FALLBACK_S = 1.0  # a pulled load's rest is queued by the loop after twice its copies' time + this
 EDGE_CTA_FACTOR = 4  # CTAs of the first (gather) or last (scatter) kernel, times staging_ctas
 
 
@@ -174,6 +177,10 @@ class CudaMover(KVMover):
         self._inflight: set[_Call] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # layerwise loads still enqueueing
         self._idle: asyncio.Future[None] | None = None
+        # The staging rings, the launch parameters and the current context: the loop enqueues,
+        # and so does the thread that waits for a layerwise load (`_LoadPull`).
+        self._lock = threading.RLock()
+        self._pulls: set[_LoadPull] = set()  # layerwise loads not fully queued and submitted
         self._params = ctypes.create_string_buffer(_PARAMS_SIZE)
         self._params_arg = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
 
@@ -184,8 +191,9 @@ class CudaMover(KVMover):
         state = self._state(layout.device)
         plan = self._plan(state, layout)
         if plan.path == "staging":
-            for side in (state.store, state.load):
-                side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
+            with self._lock:  # a layerwise load's waiter may be queueing on the load ring
+                for side in (state.store, state.load):
+                    side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
         while len(state.buffers) < 2:
             state.buffers.append(CallBuffers(state.device))
         for buffers in state.buffers:
@@ -218,15 +226,17 @@ class CudaMover(KVMover):
     async def scatter_layerwise(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> LayerLoad:
-        """Returns once the first layer's copies are queued (waits for the layers queued by
-        then need no host wait): a task of the loop goes on enqueueing the load (one fill after
-        another, recording each layer's event as its last copy is queued) while the caller
-        starts its model, whose `wait_layer` waits for each layer in turn. The references to
-        the objects are taken here, before the task starts."""
-        load = CudaLayerLoad(self._state(layout.device).device, layout.num_layers)
+        """Returns once the first layer's copies are queued. On the staging path the rest are
+        queued by whoever waits for them (`_LoadPull`): the model's thread in ``wait_layer``,
+        the loop in ``enqueued``/``wait``, or the loop once the copies should have ended. The
+        other paths queue everything here. The references to the objects are taken here."""
+        state = self._state(layout.device)
+        load = CudaLayerLoad(state.device, layout.num_layers)
         if not transfers:
             load.end_enqueue(None)
             return load
+        if self._plan(state, layout).path == "staging":
+            return self._begin_pull(state, layout, list(block_ids), list(transfers), load)
         held = _hold(transfers)
         task = asyncio.get_running_loop().create_task(
             self._move(
@@ -255,6 +265,90 @@ class CudaMover(KVMover):
         await load.lead.wait()  # cancelling this wait leaves the task to enqueue the whole load
         return load
 
+    def _begin_pull(
+        self,
+        state: _DeviceState,
+        layout: KVCacheLayout,
+        block_ids: list[int],
+        transfers: list[ChunkTransfer],
+        load: CudaLayerLoad,
+    ) -> CudaLayerLoad:
+        """Set up a staging layerwise load (ordered after the caller's stream, its block table
+        uploaded), queue its first layer, and leave the rest to `_LoadPull`."""
+        plan = self._plan(state, layout)
+        loop = asyncio.get_running_loop()
+        layers = check_layers(layout, None)
+        side = state.load
+        call = _Call(
+            direction="scatter",
+            state=state,
+            side=side,
+            buffers=state.take_buffers(),
+            held=_hold(transfers),
+            nbytes=sum(moved_bytes(plan, t, False, layers) for t in transfers),
+            result=loop.create_future(),
+            path=plan.path,
+            start=time.perf_counter(),
+            layers=layers,
+            load=load,
+        )
+        load.call_owns_objects = True
+        try:
+            with self._lock:
+                state.kernels.make_current()
+                side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
+                call.buffers.ready.record(torch.cuda.current_stream(state.device))
+                side.kernel_stream.wait_event(call.buffers.ready)
+                call.buffers.begun.record(side.dma_stream)  # precedes the call's first DMA
+                device_ids = call.buffers.upload_ids(block_ids, side.kernel_cu)
+        except BaseException:
+            torch.cuda.synchronize(state.device)
+            self._release(call)
+            raise
+        pull = _LoadPull(self, call, plan, device_ids, transfers, loop)
+        self._pulls.add(pull)
+        load.pull, load.pulled = pull, pull.submitted
+        # The copies start now: predict their end now, for the waiter and the fallback.
+        pull.predicted = side.clock.schedule(call.nbytes, call.start)
+        pull(0)
+        task = loop.create_task(pull.fallback(2 * pull.predicted[1] + FALLBACK_S))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return load
+
+    def _pull_ended(self, pull: _LoadPull, error: BaseException | None) -> None:
+        """On the loop, once a pulled load is wholly queued (or its enqueue failed): hand its
+        completion to the waiter (or wait for what was queued, release, report)."""
+        call = pull.call
+        load = call.load
+        if load is None:  # unreachable: pulls are layerwise loads
+            raise TieredKVError("layerwise pull without a load")
+        self._pulls.discard(pull)
+        load.result = call.result
+        call.result.add_done_callback(_retrieved)
+        if error is not None:
+            try:
+                torch.cuda.synchronize(call.state.device)  # what was queued may touch the objects
+            finally:
+                self._release(call)
+                call.result.set_exception(
+                    TieredKVError(f"CudaMover: layerwise load failed while enqueueing: {error}")
+                )
+                load.end_enqueue(error)
+                pull.submitted.set_result(None)
+            return
+        predicted_start, predicted = pull.predicted
+        self._inflight.add(call)
+        self._waiter.submit(
+            call.buffers.done,
+            predicted_start,
+            predicted,
+            pull.loop,
+            lambda seen, failed: self._finish(call, seen, failed),
+        )
+        load.end_enqueue(None)
+        pull.submitted.set_result(None)
+
     def begin_gather(
         self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
     ) -> LayerSave:
@@ -271,6 +365,9 @@ class CudaMover(KVMover):
 
     async def aclose(self) -> None:
         """Wait for calls still on the GPU (their callers may be gone), then stop the thread."""
+        for pull in list(self._pulls):  # layerwise loads nobody waited for: queue the rest
+            pull(None)
+            await asyncio.shield(pull.submitted)
         while self._tasks:
             await asyncio.wait(list(self._tasks))
         while self._inflight:
@@ -624,7 +721,7 @@ class CudaMover(KVMover):
     ) -> None:
         """One launch of the copy kernel over up to `MAX_JOBS` jobs of one group, on ``stream``
         (a ``CUstream``). The parameter block is packed into one reused buffer: the driver copies
-        it at launch."""
+        it at launch (under the mover's lock: a layerwise load's waiter launches too)."""
         from cuda.bindings import driver
 
         rows = group.block_rows
@@ -641,56 +738,57 @@ class CudaMover(KVMover):
                 for host, start, t0, n, l0, l1 in jobs
             ]
             block_size = 1
-            self._counters["kernel_launches_block_rows"] += 1
-        self._counters["kernel_launches"] += 1
-        params = self._params
-        _PARAMS_HEAD.pack_into(
-            params,
-            0,
-            group.layer_ptrs.data_ptr(),
-            device_ids,
-            group.block_stride,
-            group.pos_stride,
-            group.head_stride,
-            group.kv_count,
-            group.num_heads,
-            group.head_bytes,
-            block_size,
-            len(jobs),
-            0,
-        )
-        # Vectors of the largest job (the grid covers it); each job below 2^31 vectors.
-        layer_vectors = group.kv_count * group.row_bytes // group.width
-        max_vectors = 1
-        offset = _PARAMS_HEAD.size
-        pack = _JOB.pack_into
-        for host, token_start, t_begin, num_tokens, l0, l1 in jobs:
-            pack(params, offset, host, token_start, t_begin, num_tokens, l0, l1, 0)
-            offset += _JOB.size
-            vectors = (l1 - l0) * (num_tokens - t_begin) * layer_vectors
-            if vectors > max_vectors:
-                max_vectors = vectors
-        if max_vectors >= 1 << 31:
-            raise LayoutError(f"copy job of {max_vectors} vectors exceeds the kernel's 2^31")
-        per_cta = _THREADS * _UNROLL
-        grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_vectors // per_cta)))
-        function = state.kernels.function("gather" if to_host else "scatter", group.width)
-        check_driver(
-            driver.cuLaunchKernel(
-                function,
-                grid_x,
+        with self._lock:
+            self._counters["kernel_launches"] += 1
+            self._counters["kernel_launches_block_rows"] += rows is not None
+            params = self._params
+            _PARAMS_HEAD.pack_into(
+                params,
+                0,
+                group.layer_ptrs.data_ptr(),
+                device_ids,
+                group.block_stride,
+                group.pos_stride,
+                group.head_stride,
+                group.kv_count,
+                group.num_heads,
+                group.head_bytes,
+                block_size,
                 len(jobs),
-                1,
-                _THREADS,
-                1,
-                1,
                 0,
-                stream,
-                ctypes.addressof(self._params_arg),
-                0,
-            ),
-            "cuLaunchKernel(tkv copy)",
-        )
+            )
+            # Vectors of the largest job (the grid covers it); each job below 2^31 vectors.
+            layer_vectors = group.kv_count * group.row_bytes // group.width
+            max_vectors = 1
+            offset = _PARAMS_HEAD.size
+            pack = _JOB.pack_into
+            for host, token_start, t_begin, num_tokens, l0, l1 in jobs:
+                pack(params, offset, host, token_start, t_begin, num_tokens, l0, l1, 0)
+                offset += _JOB.size
+                vectors = (l1 - l0) * (num_tokens - t_begin) * layer_vectors
+                if vectors > max_vectors:
+                    max_vectors = vectors
+            if max_vectors >= 1 << 31:
+                raise LayoutError(f"copy job of {max_vectors} vectors exceeds the kernel's 2^31")
+            per_cta = _THREADS * _UNROLL
+            grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_vectors // per_cta)))
+            function = state.kernels.function("gather" if to_host else "scatter", group.width)
+            check_driver(
+                driver.cuLaunchKernel(
+                    function,
+                    grid_x,
+                    len(jobs),
+                    1,
+                    _THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    ctypes.addressof(self._params_arg),
+                    0,
+                ),
+                "cuLaunchKernel(tkv copy)",
+            )
 
     def _enqueue_mapped(
         self,
@@ -739,7 +837,8 @@ class CudaMover(KVMover):
         side = call.side
         block_size = plan.layout.block_size
         ctas = self.options.staging_ctas
-        side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
+        with self._lock:
+            side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
         lead = LEAD_SLOTS * side.slot_bytes
         queued = 0
         cancelled = False
@@ -764,17 +863,13 @@ class CudaMover(KVMover):
                 ctas=fill_ctas,
             )
             layer_done = None if call.load is None else call.load.record_layer
-            nbytes = enqueue_fill(side, fill, to_host, launch, layer_done)
+            with self._lock:  # a layerwise load's waiter may be queueing on the same ring
+                nbytes = enqueue_fill(side, fill, to_host, launch, layer_done)
             if call.trace is not None and not queued:
                 call.trace["first_copy"] = time.perf_counter()
             queued += nbytes
-            # A layerwise load's caller may start its model once a layer is queued.
-            started = call.load is not None and bool(fill.completes)
-            if (queued >= lead or started) and not cancelled:
-                # A lead is queued: let a concurrent call of the other direction enqueue too,
-                # and a layerwise load's caller start its model.
-                if call.load is not None:
-                    call.load.lead_queued()
+            if queued >= lead and not cancelled:
+                # A lead is queued: let a concurrent call of the other direction enqueue too.
                 try:
                     await asyncio.sleep(0)
                 except asyncio.CancelledError:
@@ -827,6 +922,96 @@ class CudaMover(KVMover):
             driver.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream),
             "cuMemcpyBatchAsync",
         )
+
+
+class _LoadPull:
+    """The staging enqueue of one layerwise load, pulled by whoever needs its next layer.
+
+    ``pull(i)`` queues fills, under the mover's lock, until layer ``i + ahead`` is queued
+    (``ahead``: the layers of `LEAD_SLOTS` slots, so the copy engine keeps a lead on the model);
+    ``pull(None)`` queues the rest. The model's thread pulls in ``wait_layer``, so while the
+    model runs no other Python thread is busy enqueueing (`CudaLayerLoad` says why that
+    matters); the loop pulls in ``enqueued``, in `CudaMover.aclose`, and in `fallback` once the
+    copies should have ended, so a load nobody waits for still completes and releases its
+    objects. Whichever pull queues the last fill records the call's end; `CudaMover._pull_ended`
+    then hands it to the completion waiter on the loop."""
+
+    def __init__(
+        self,
+        mover: CudaMover,
+        call: _Call,
+        plan: LayoutPlan,
+        device_ids: int,
+        transfers: Sequence[ChunkTransfer],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        side = call.side
+        self.mover = mover
+        self.call = call
+        self.loop = loop
+        self.loop_thread = threading.get_ident()
+        self.submitted: asyncio.Future[None] = loop.create_future()
+        self.predicted = (call.start, 0.0)  # (start, seconds) of the copies, from the clock
+        self.last = plan.layout.num_layers - 1
+        lead = LEAD_SLOTS * side.slot_bytes
+        self.ahead = max(1, -(-lead * plan.layout.num_layers // max(1, call.nbytes)))
+        self.ended = False
+        self._fills = slot_fills(
+            plan, transfers, side.slot_bytes, ramp_up=False, layers=call.layers
+        )
+        self._upcoming = next(self._fills, None)
+        self._launch = functools.partial(
+            mover._launch_jobs,
+            call.state,
+            side=side,
+            to_host=False,
+            block_size=plan.layout.block_size,
+            device_ids=device_ids,
+        )
+
+    def __call__(self, layer: int | None) -> None:
+        load = self.call.load
+        if self.ended or load is None:
+            return
+        target = self.last if layer is None else min(self.last, layer + self.ahead)
+        if layer is not None and load._has_event[target]:
+            return
+        error: BaseException | None = None
+        with self.mover._lock:
+            if self.ended:
+                return
+            call, side = self.call, self.call.side
+            ctas = self.mover.options.staging_ctas
+            try:
+                call.state.kernels.make_current()
+                while self._upcoming is not None:
+                    if layer is not None and load._has_event[target]:
+                        return
+                    fill = self._upcoming
+                    self._upcoming = next(self._fills, None)
+                    # The last kernel, which nothing overlaps, gets more CTAs.
+                    edge = self._upcoming is None
+                    launch = functools.partial(
+                        self._launch, fill.group, ctas=ctas * EDGE_CTA_FACTOR if edge else ctas
+                    )
+                    enqueue_fill(side, fill, False, launch, load.record_layer)
+                call.buffers.done.record(side.kernel_stream)
+            except BaseException as exc:  # what was queued finishes; the rest never runs
+                error = exc
+                load.error = exc
+            self.ended = True
+        if threading.get_ident() == self.loop_thread:
+            self.mover._pull_ended(self, error)
+        else:
+            # A closed loop was closed after `CudaMover.aclose`, which ends every pull first.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.mover._pull_ended, self, error)
+
+    async def fallback(self, delay_s: float) -> None:
+        """Queue whatever nobody pulled once the copies should have ended."""
+        done, _ = await asyncio.wait([self.submitted], timeout=delay_s)
+        if not done:
+            self(None)
 
 
 class _CudaLayerSave(LayerSave):
