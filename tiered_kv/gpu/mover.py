@@ -279,12 +279,13 @@ class CudaMover(KVMover):
         loop = asyncio.get_running_loop()
         layers = check_layers(layout, None)
         side = state.load
+        held = _hold(transfers)
         call = _Call(
             direction="scatter",
             state=state,
             side=side,
             buffers=state.take_buffers(),
-            held=_hold(transfers),
+            held=held,
             nbytes=sum(moved_bytes(plan, t, False, layers) for t in transfers),
             result=loop.create_future(),
             path=plan.path,
