@@ -11,7 +11,6 @@ from __future__ import annotations
 import array
 import asyncio
 import ctypes
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,9 +87,7 @@ class CudaLayerLoad(LayerLoad):
         super().__init__(num_layers)
         self.device = device
         self.events = [torch.cuda.Event() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
-        self.all_enqueued = threading.Event()
         self._has_event = [False] * num_layers
-        self.lead = asyncio.Event()  # set once the task's enqueue ended
         self.task: asyncio.Task[None] | None = None  # the enqueue
         self.result: asyncio.Future[float] | None = None  # the GPU work
         self.error: BaseException | None = None
@@ -107,10 +104,8 @@ class CudaLayerLoad(LayerLoad):
         self._has_event[layer] = True
 
     def end_enqueue(self, error: BaseException | None) -> None:
-        """Loop thread, once the enqueue ended (whole, or failed): release every waiter."""
+        """Loop thread, once the enqueue ended: ``error`` is why it stopped short (None: whole)."""
         self.error = error
-        self.all_enqueued.set()
-        self.lead.set()
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         self._check(layer)

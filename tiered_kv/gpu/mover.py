@@ -54,6 +54,7 @@ from tiered_kv.gpu.plan import (
     JOB_MAX_BYTES,
     MAX_JOBS,
     PATHS,
+    Fill,
     GroupPlan,
     LayoutPlan,
     batches,
@@ -262,7 +263,7 @@ class CudaMover(KVMover):
             load.end_enqueue(error)
 
         task.add_done_callback(enqueued)
-        await load.lead.wait()  # cancelling this wait leaves the task to enqueue the whole load
+        await asyncio.wait([task])  # cancelling this wait leaves the task to enqueue the whole load
         return load
 
     def _begin_pull(
@@ -298,9 +299,7 @@ class CudaMover(KVMover):
             with self._lock:
                 state.kernels.make_current()
                 side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
-                call.buffers.ready.record(torch.cuda.current_stream(state.device))
-                side.kernel_stream.wait_event(call.buffers.ready)
-                call.buffers.begun.record(side.dma_stream)  # precedes the call's first DMA
+                self._open(call, plan, torch.cuda.current_stream(state.device), False)
                 device_ids = call.buffers.upload_ids(block_ids, side.kernel_cu)
         except BaseException:
             torch.cuda.synchronize(state.device)
@@ -661,19 +660,7 @@ class CudaMover(KVMover):
             call.trace["gpu_start"] = begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             begin.record(caller)
             call.trace["recorded"] = time.perf_counter()
-        ready = call.after
-        if ready is None:
-            ready = buffers.ready
-            ready.record(caller)
-        # Whatever first touches the paged cache waits for the caller's queued work (or the
-        # producer's event): the kernels, or the copies on the DMA-only path. (Staging DMAs are
-        # ordered through the slot events.)
-        first = side.dma_stream if plan.path == "dma" else side.kernel_stream
-        first.wait_event(ready)
-        # `begun` precedes all of the call's GPU work (a staging scatter starts with DMAs that
-        # need not wait for the caller), so the clock never learns a rate faster than the link.
-        opening = side.dma_stream if plan.path == "staging" and not to_host else first
-        buffers.begun.record(opening)
+        self._open(call, plan, caller, to_host)
         if plan.path == "dma":
             for layers in _layer_steps(call):
                 self._enqueue_dma(plan, side, to_host, block_ids, transfers, layers)
@@ -693,6 +680,47 @@ class CudaMover(KVMover):
         # Gathers end with a DMA, scatters with a kernel; each waited for the other.
         buffers.done.record(side.dma_stream if to_host else side.kernel_stream)
         return cancelled
+
+    def _open(
+        self, call: _Call, plan: LayoutPlan, caller: torch.cuda.Stream, to_host: bool
+    ) -> None:
+        """Order the call after the caller's queued work and record its ``begun`` event."""
+        side, buffers = call.side, call.buffers
+        ready = call.after
+        if ready is None:
+            ready = buffers.ready
+            ready.record(caller)
+        # Whatever first touches the paged cache waits for the caller's queued work (or the
+        # producer's event): the kernels, or the copies on the DMA-only path. (Staging DMAs are
+        # ordered through the slot events.)
+        first = side.dma_stream if plan.path == "dma" else side.kernel_stream
+        first.wait_event(ready)
+        # `begun` precedes all of the call's GPU work (a staging scatter starts with DMAs that
+        # need not wait for the caller), so the clock never learns a rate faster than the link.
+        opening = side.dma_stream if plan.path == "staging" and not to_host else first
+        buffers.begun.record(opening)
+
+    def _queue_fill(
+        self, call: _Call, plan: LayoutPlan, fill: Fill, to_host: bool, device_ids: int, edge: bool
+    ) -> int:
+        """Queue one staging fill of ``call`` through its side's ring, under the lock (a
+        layerwise load's waiter may be queueing on the same ring). The one kernel nothing
+        overlaps (``edge``: a gather's first, a scatter's last) gets more CTAs: a few
+        microseconds of SMs to take that much off the call. Returns the fill's bytes."""
+        ctas = self.options.staging_ctas
+        launch = functools.partial(
+            self._launch_jobs,
+            call.state,
+            fill.group,
+            side=call.side,
+            to_host=to_host,
+            block_size=plan.layout.block_size,
+            device_ids=device_ids,
+            ctas=ctas * EDGE_CTA_FACTOR if edge else ctas,
+        )
+        layer_done = None if call.load is None else call.load.record_layer
+        with self._lock:
+            return enqueue_fill(call.side, fill, to_host, launch, layer_done)
 
     # -- paths ---------------------------------------------------------------------------------
     def _launch_jobs(
@@ -836,8 +864,6 @@ class CudaMover(KVMover):
     ) -> bool:
         """Returns whether the caller was cancelled at one of the yields (see `_enqueue`)."""
         side = call.side
-        block_size = plan.layout.block_size
-        ctas = self.options.staging_ctas
         with self._lock:
             side.ensure_slots(max(self.options.staging_slot_bytes, plan.largest_layer))
         lead = LEAD_SLOTS * side.slot_bytes
@@ -848,24 +874,8 @@ class CudaMover(KVMover):
         while upcoming is not None:
             fill = upcoming
             upcoming = next(fills, None)
-            # The one kernel nothing overlaps (a gather's first, a scatter's last) gets more
-            # CTAs: a few microseconds of SMs to take that much off the call.
             edge = not queued if to_host else upcoming is None
-            fill_ctas = ctas * EDGE_CTA_FACTOR if edge else ctas
-
-            launch = functools.partial(
-                self._launch_jobs,
-                state,
-                fill.group,
-                side=side,
-                to_host=to_host,
-                block_size=block_size,
-                device_ids=device_ids,
-                ctas=fill_ctas,
-            )
-            layer_done = None if call.load is None else call.load.record_layer
-            with self._lock:  # a layerwise load's waiter may be queueing on the same ring
-                nbytes = enqueue_fill(side, fill, to_host, launch, layer_done)
+            nbytes = self._queue_fill(call, plan, fill, to_host, device_ids, edge)
             if call.trace is not None and not queued:
                 call.trace["first_copy"] = time.perf_counter()
             queued += nbytes
@@ -961,14 +971,8 @@ class _LoadPull:
             plan, transfers, side.slot_bytes, ramp_up=False, layers=call.layers
         )
         self._upcoming = next(self._fills, None)
-        self._launch = functools.partial(
-            mover._launch_jobs,
-            call.state,
-            side=side,
-            to_host=False,
-            block_size=plan.layout.block_size,
-            device_ids=device_ids,
-        )
+        self._plan = plan
+        self._device_ids = device_ids
 
     def __call__(self, layer: int | None) -> None:
         load = self.call.load
@@ -981,8 +985,7 @@ class _LoadPull:
         with self.mover._lock:
             if self.ended:
                 return
-            call, side = self.call, self.call.side
-            ctas = self.mover.options.staging_ctas
+            call = self.call
             try:
                 call.state.kernels.make_current()
                 while self._upcoming is not None:
@@ -990,13 +993,9 @@ class _LoadPull:
                         return
                     fill = self._upcoming
                     self._upcoming = next(self._fills, None)
-                    # The last kernel, which nothing overlaps, gets more CTAs.
                     edge = self._upcoming is None
-                    launch = functools.partial(
-                        self._launch, fill.group, ctas=ctas * EDGE_CTA_FACTOR if edge else ctas
-                    )
-                    enqueue_fill(side, fill, False, launch, load.record_layer)
-                call.buffers.done.record(side.kernel_stream)
+                    self.mover._queue_fill(call, self._plan, fill, False, self._device_ids, edge)
+                call.buffers.done.record(call.side.kernel_stream)
             except BaseException as exc:  # what was queued finishes; the rest never runs
                 error = exc
                 load.error = exc
