@@ -235,6 +235,41 @@ def test_layer_major_fills_complete_layers_in_order(slot_kib: int, ramp_up: bool
         assert arena.close() == 0
 
 
+def test_a_layerwise_load_ramps_up_by_layers_then_fills_whole_slots() -> None:
+    """A layer-major scatter's first fills end after 1, 1, 2, 4, ... layers, so layer 0 lands
+    after its own copies and not a slot's; once a fill would hold a slot anyway, fills are
+    whole slots (and ramp down at the end as any scatter's). A gather (a layerwise store) and
+    a chunk-major scatter keep their byte ramps only."""
+    layout, _ = _layout("vllm_nhd", num_layers=24)
+    plan = _plan(layout)
+    arena = HostArena(8 << 20, pin=False)
+    objs = [arena.allocate_obj(layout.layout_desc, 32) for _ in range(2)]
+    transfers = [ChunkTransfer(o, 32 * i) for i, o in enumerate(objs) if o is not None]
+    per_layer = sum(plan.groups[0].slab_bytes(1, t.obj.num_tokens) for t in transfers)
+    try:
+        big = 64 * per_layer  # a slot above the whole load: only the layer ramp splits it
+        completes = [
+            fill.completes
+            for fill in slot_fills(plan, transfers, big, ramp_up=False, layers=range(24))
+        ]
+        assert completes[:5] == [[0], [1], [2, 3], [4, 5, 6, 7], list(range(8, 16))]
+        assert [layer for done in completes for layer in done] == list(range(24))
+        # A slot of four layers: the ramp stops at the first full fill.
+        slot = 4 * per_layer
+        fills = list(slot_fills(plan, transfers, slot, ramp_up=False, layers=range(24)))
+        assert [f.completes for f in fills[:5]] == [[0], [1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        sizes = [f.nbytes for f in fills]
+        assert sizes[3:7] == [slot] * 4, sizes  # whole slots after the ramp
+        assert max(sizes[7:]) <= slot // 2, sizes  # the last slot's worth ramps down
+        # Gathers (ramp_up) are not split by layers.
+        gather = list(slot_fills(plan, transfers, big, ramp_up=True, layers=range(24)))
+        assert len(gather[0].completes) > 1
+    finally:
+        for t in transfers:
+            t.obj.unref()
+        assert arena.close() == 0
+
+
 def test_moved_bytes_of_some_layers() -> None:
     layout = _mixed_layout()
     plan = _plan(layout)

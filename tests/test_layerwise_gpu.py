@@ -302,18 +302,24 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
         loop_thread = threading.get_ident()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad)
-        # Returned with layer 0 and the two-layer lead queued (by the loop), not layer 3.
-        assert load._has_event == [True, True, True, False]
-        assert mover.threads_of(2) == {loop_thread}
+        # Returned with layers 0 and 1 queued (by the loop), not the rest.
+        assert load._has_event == [True, True, False, False]
+        assert mover.threads_of(1) == {loop_thread}
         stream = torch.cuda.Stream()
+        queued: list[list[bool]] = []
 
         def model_thread() -> int:
-            load.wait_all(stream)
+            for layer in range(4):
+                load.wait_layer(layer, stream)
+                queued.append(list(load._has_event))
             return threading.get_ident()
 
         model = await asyncio.to_thread(model_thread)
         assert model != loop_thread
-        assert mover.threads_of(3) == {model}  # queued by the waiter, not the loop
+        # The first wait queues nothing beyond its layer (the model has not started yet); the
+        # next one queues its two-layer lead.
+        assert queued[:2] == [[True, True, False, False], [True, True, True, True]]
+        assert mover.threads_of(2) == mover.threads_of(3) == {model}  # the waiter's, not the loop's
         stream.synchronize()
         await load.wait()
         assert load.done()

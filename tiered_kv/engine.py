@@ -748,6 +748,8 @@ def _block_id_list(block_ids: Any) -> list[int]:
             )
         values: list[int] = block_ids.tolist()
         return values
+    if type(block_ids) is list and set(map(type, block_ids)) <= {int}:
+        return list(block_ids)  # the common case, checked without a call per id
     if block_ids is None or isinstance(block_ids, (str, bytes, bytearray, memoryview)):
         raise LayoutError(
             f"block_ids: expected a sequence of ints or a 1-D integer tensor, got {block_ids!r}"

@@ -45,7 +45,6 @@ from tiered_kv.gpu.base import (
     LayerLoad,
     LayerSave,
     check_layers,
-    layer_places,
 )
 from tiered_kv.gpu.completion import CompletionWaiter
 from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
@@ -275,7 +274,7 @@ class CudaMover(KVMover):
         load: CudaLayerLoad,
     ) -> CudaLayerLoad:
         """Set up a staging layerwise load (ordered after the caller's stream, its block table
-        uploaded), queue its first layer, and leave the rest to `_LoadPull`."""
+        uploaded), queue its first two layers, and leave the rest to `_LoadPull`."""
         plan = self._plan(state, layout)
         loop = asyncio.get_running_loop()
         layers = check_layers(layout, None)
@@ -310,7 +309,9 @@ class CudaMover(KVMover):
         load.pull, load.pulled = pull, pull.submitted
         # The copies start now: predict their end now, for the waiter and the fallback.
         pull.predicted = side.clock.schedule(call.nbytes, call.start)
-        pull(0)
+        # Layer 0 and, so the copies keep going while the model's thread gets to its first
+        # wait, layer 1 (the first fills hold a layer each: `slot_fills` ramps up by layers).
+        pull.queue(min(1, pull.last))
         task = loop.create_task(pull.fallback(2 * pull.predicted[1] + FALLBACK_S))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -938,14 +939,16 @@ class CudaMover(KVMover):
 class _LoadPull:
     """The staging enqueue of one layerwise load, pulled by whoever needs its next layer.
 
-    ``pull(i)`` queues fills, under the mover's lock, until layer ``i + ahead`` is queued
-    (``ahead``: the layers of `LEAD_SLOTS` slots, so the copy engine keeps a lead on the model);
-    ``pull(None)`` queues the rest. The model's thread pulls in ``wait_layer``, so while the
-    model runs no other Python thread is busy enqueueing (`CudaLayerLoad` says why that
-    matters); the loop pulls in ``enqueued``, in `CudaMover.aclose`, and in `fallback` once the
-    copies should have ended, so a load nobody waits for still completes and releases its
-    objects. Whichever pull queues the last fill records the call's end; `CudaMover._pull_ended`
-    then hands it to the completion waiter on the loop."""
+    `CudaMover._begin_pull` queues layers 0 and 1 before the load is returned. Then ``pull(i)``
+    queues fills, under the mover's lock, until layer ``i + ahead`` is queued (``ahead``: the
+    layers of `LEAD_SLOTS` slots, so the copy engine keeps a lead on the model; the first wait
+    queues through its own layer only); ``pull(None)`` queues the rest. The model's thread
+    pulls in ``wait_layer``, so while the model runs no other Python thread is busy enqueueing
+    (`CudaLayerLoad` says why that matters); the loop pulls in ``enqueued``, in
+    `CudaMover.aclose`, and in `fallback` once the copies should have ended, so a load nobody
+    waits for still completes and releases its objects. Whichever pull queues the last fill
+    records the call's end; `CudaMover._pull_ended` then hands it to the completion waiter on
+    the loop."""
 
     def __init__(
         self,
@@ -967,6 +970,7 @@ class _LoadPull:
         lead = LEAD_SLOTS * side.slot_bytes
         self.ahead = max(1, -(-lead * plan.layout.num_layers // max(1, call.nbytes)))
         self.ended = False
+        self.waited = False  # a wait has queued (the model may have work on the GPU since)
         self._fills = slot_fills(
             plan, transfers, side.slot_bytes, ramp_up=False, layers=call.layers
         )
@@ -975,11 +979,23 @@ class _LoadPull:
         self._device_ids = device_ids
 
     def __call__(self, layer: int | None) -> None:
+        """Queue through ``layer`` and the lead beyond it (None: everything). The first wait
+        queues through its own layer only: until it returns the model has nothing on the GPU,
+        so more would only delay its start; from the next wait on, the lead is queued while the
+        GPU computes the layer before."""
+        if layer is None:
+            self.queue(self.last)
+        elif self.waited:
+            self.queue(min(self.last, layer + self.ahead))
+        else:
+            self.waited = True
+            self.queue(layer)
+
+    def queue(self, target: int) -> None:
+        """Queue fills until model layer ``target``'s copies are all queued (or all of them,
+        for the last layer), on the calling thread."""
         load = self.call.load
-        if self.ended or load is None:
-            return
-        target = self.last if layer is None else min(self.last, layer + self.ahead)
-        if layer is not None and load._has_event[target]:
+        if self.ended or load is None or load._has_event[target]:
             return
         error: BaseException | None = None
         with self.mover._lock:
@@ -989,7 +1005,7 @@ class _LoadPull:
             try:
                 call.state.kernels.make_current()
                 while self._upcoming is not None:
-                    if layer is not None and load._has_event[target]:
+                    if target < self.last and load._has_event[target]:
                         return
                     fill = self._upcoming
                     self._upcoming = next(self._fills, None)
@@ -1065,7 +1081,7 @@ def _layer_ranges(
     ``layers`` (groups without any are left out)."""
     if layers is None:
         return [(group, [(0, group.num_layers)]) for group in plan.groups]
-    places = layer_places(plan.layout)
+    places = plan.places
     local: dict[int, list[int]] = {}
     for layer in layers:
         index, position = places[layer]

@@ -24,6 +24,7 @@ PATHS = ("staging", "mapped", "dma")
 MAX_JOBS = 32  # TKV_MAX_JOBS in cuda_src/tkv_copy.cu
 JOB_MAX_BYTES = 1 << 30
 RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `slot_fills`
+LAYER_RAMP = 6  # a layerwise load's first fills end after 1, 1, 2, 4, 8, 16 layers
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
 # below it the copy engines spend their time on descriptors. Measured (bench/transfer.py, H100,
 # 32-chunk calls, whole-block runs): DMA reached 58% / 79% / 90% of the PCIe ceiling with 64 KiB /
@@ -102,10 +103,31 @@ class LayoutPlan:
     path: str
     # Bytes of the largest one-layer slab of a chunk: no staging slot may be smaller.
     largest_layer: int = dataclasses.field(init=False)
+    # `layer_places` of the layout: model layer → (group index, index inside the group).
+    places: tuple[tuple[int, int], ...] = dataclasses.field(init=False)
+    # Per set of model layers, how many fall in each group (`layer_counts`).
+    _counts: dict[tuple[int, ...], tuple[int, ...]] = dataclasses.field(
+        init=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         chunk = self.layout.layout_desc.chunk_size
         object.__setattr__(self, "largest_layer", max(g.slab_bytes(1, chunk) for g in self.groups))
+        object.__setattr__(self, "places", layer_places(self.layout))
+
+    def layer_counts(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """How many of the model ``layers`` each group holds (remembered per set of layers:
+        a call asks once per chunk)."""
+        key = tuple(layers)
+        counts = self._counts.get(key)
+        if counts is None:
+            tally = [0] * len(self.groups)
+            for layer in key:
+                tally[self.places[layer][0]] += 1
+            if len(self._counts) >= 4 * len(self.places) + 8:  # callers' arbitrary subsets
+                self._counts.clear()
+            counts = self._counts[key] = tuple(tally)
+        return counts
 
 
 def copy_width(*values: int) -> int:
@@ -143,8 +165,9 @@ def moved_bytes(
     tokens = obj.num_tokens if to_host else obj.num_tokens - transfer.skip_tokens
     if layers is None:
         return obj.nbytes * tokens // obj.num_tokens
-    places = layer_places(plan.layout)
-    return sum(plan.groups[places[layer][0]].slab_bytes(1, tokens) for layer in layers)
+    counts = plan.layer_counts(layers)
+    groups = zip(plan.groups, counts, strict=True)
+    return sum(n * group.slab_bytes(1, tokens) for group, n in groups)
 
 
 def group_offset(obj: MemoryObj, group: GroupPlan) -> int:
@@ -183,13 +206,27 @@ def slot_fills(
     a gather (kernel, then DMA) ramps up, its first fills 1/8, 1/4 and 1/2 of a slot, so the
     first DMA starts early; a scatter (DMA, then kernel) ramps down, each fill of the last
     slot's worth taking half of what is left (down to 1/8 of a slot), so the last kernel is
-    short."""
-    pieces = list(_pieces(plan, transfers, layers))
+    short. A layer-major scatter (a layerwise load, which the model waits for layer by layer)
+    also ramps up by layers: its first fills end after 1, 1, 2, 4, ... layers (`LAYER_RAMP`),
+    so layer 0 lands after its own copies rather than a slot's, and each next layer lands
+    before a model computing at up to half the copy rate needs it."""
     fills = 0
     remaining = 0
-    if not ramp_up:
-        remaining = sum((l1 - l0) * per_layer for _, _, l0, l1, per_layer, _ in pieces)
+    if not ramp_up:  # the bytes of every piece, without planning them
+        counts = (
+            [group.num_layers for group in plan.groups]
+            if layers is None
+            else plan.layer_counts(layers)
+        )
+        remaining = sum(
+            n * sum(group.slab_bytes(1, t.obj.num_tokens) for t in transfers)
+            for group, n in zip(plan.groups, counts, strict=True)
+        )
     cap = 0
+    # Layers the current fill may complete while a layer-major scatter ramps up (0: no limit),
+    # and how many fills that limit has ended.
+    quota = 1 if layers is not None and not ramp_up else 0
+    ramped = 0
 
     def capacity() -> int:
         if ramp_up:
@@ -199,7 +236,7 @@ def slot_fills(
         return max(slot_bytes >> RAMP_STEPS, remaining // 2)
 
     fill: Fill | None = None
-    for group, transfer, l0, l1, per_layer, completes in pieces:
+    for group, transfer, l0, l1, per_layer, completes in _pieces(plan, transfers, layers):
         if per_layer > slot_bytes:
             raise ValueError(f"staging slot of {slot_bytes} bytes < one layer's {per_layer}")
         if fill is not None and fill.group is not group:
@@ -225,6 +262,15 @@ def slot_fills(
             layer = end
         if completes is not None and fill is not None:
             fill.completes.append(completes)
+            if quota and len(fill.completes) >= quota:
+                full = fill.nbytes >= cap
+                yield fill
+                fills += 1
+                ramped += 1
+                remaining -= fill.nbytes
+                fill = None
+                # 1, 1, 2, 4, ... layers, until a fill holds a slot's worth anyway.
+                quota = 0 if full or ramped >= LAYER_RAMP else 1 << max(0, ramped - 1)
     if fill is not None:
         yield fill
 
@@ -240,7 +286,7 @@ def _pieces(
                 per_layer = group.slab_bytes(1, transfer.obj.num_tokens)
                 yield group, transfer, 0, group.num_layers, per_layer, None
         return
-    places = layer_places(plan.layout)
+    places = plan.places
     # Per group, each chunk's one-layer bytes: the same for every layer of the group.
     sizes = {
         index: [group.slab_bytes(1, t.obj.num_tokens) for t in transfers]
