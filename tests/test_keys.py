@@ -18,6 +18,7 @@ from tiered_kv.keys import (
     HASH_BYTES,
     KEY_FORMAT_VERSION,
     ChunkKey,
+    KeyMemo,
     KeyScope,
     chunk_hashes,
     chunk_keys,
@@ -440,3 +441,33 @@ def test_mutated_valid_bytes_raise_only_codec_error(data: st.DataObject) -> None
 def test_codec_error_is_a_tiered_kv_error() -> None:
     with pytest.raises(TieredKVError):
         ChunkKey.from_bytes(b"")
+
+
+def test_key_memo_answers_the_same_tokens_with_the_same_keys_and_anything_else_anew() -> None:
+    """A request's lookup and retrieve hash its tokens once; a sequence that differs anywhere
+    (even in place, in the last token), or another scope or chunk size, is hashed afresh."""
+    memo = KeyMemo(size=2)
+    ids = list(range(1000, 1600))
+    first = memo.chunk_keys(SCOPE, ids, 256)
+    assert first == chunk_keys(SCOPE, ids, 256)
+    assert memo.chunk_keys(SCOPE, torch.tensor(ids), 256) == first and memo.hits == 1
+    ids[-1] += 1  # mutated in place: the same list object, other tokens
+    changed = memo.chunk_keys(SCOPE, ids, 256)
+    assert changed == chunk_keys(SCOPE, ids, 256) and changed[-1] != first[-1]
+    assert changed[:-1] == first[:-1] and memo.hits == 1
+    other = dataclasses.replace(SCOPE, model="another")
+    assert memo.chunk_keys(other, ids, 256) == chunk_keys(other, ids, 256) != changed
+    assert memo.chunk_keys(SCOPE, ids, 128) == chunk_keys(SCOPE, ids, 128)
+    assert memo.hits == 1
+    # Two entries: the most recent ones are remembered, the oldest is dropped.
+    assert memo.chunk_keys(SCOPE, ids, 128) == chunk_keys(SCOPE, ids, 128) and memo.hits == 2
+    memo.chunk_keys(SCOPE, ids[:300], 256)
+    memo.chunk_keys(other, ids, 256)  # dropped by now: hashed again
+    assert memo.hits == 2
+    returned = memo.chunk_keys(SCOPE, ids, 128)
+    returned.clear()  # the caller's list, not the memo's
+    assert memo.chunk_keys(SCOPE, ids, 128) == chunk_keys(SCOPE, ids, 128) and memo.hits == 3
+    with pytest.raises(LayoutError, match="ambiguous"):
+        memo.chunk_keys(SCOPE, b"\x00\x01", 256)
+    with pytest.raises(ValueError, match="size"):
+        KeyMemo(size=0)

@@ -25,7 +25,7 @@ from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
 from tiered_kv.gpu.dispatch import DeviceMover
-from tiered_kv.keys import ChunkKey, KeyScope, TokenIds, chunk_keys
+from tiered_kv.keys import ChunkKey, KeyMemo, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena
@@ -128,6 +128,8 @@ class TieredKVEngine:
         self._prefetch: PrefetchController | None = None
         # Prefetches started by lookup, consumed by the retrieve of the same tokens.
         self._implicit: OrderedDict[tuple[str, ChunkKey], PrefetchHandle] = OrderedDict()
+        # The keys of recent token sequences: a request's lookup and retrieve hash them once.
+        self._keys = KeyMemo()
         self._mover: KVMover | None = None
         self._retriever: Retriever | None = None
         self._layerwise_stores: set[LayerwiseStore] = set()  # begun, not yet committed/aborted
@@ -296,7 +298,10 @@ class TieredKVEngine:
     def chunk_keys(self, token_ids: TokenIds, *, model_name: str | None = None) -> list[ChunkKey]:
         """The keys this engine uses for ``token_ids`` (one per chunk, a partial last included)."""
         reg = self._registration(model_name)
-        return chunk_keys(reg.scope, _whole_blocks(reg, token_ids), self.config.chunk_size)
+        return self._key_list(reg, _whole_blocks(reg, token_ids))
+
+    def _key_list(self, reg: Registration, token_ids: TokenIds) -> list[ChunkKey]:
+        return self._keys.chunk_keys(reg.scope, token_ids, self.config.chunk_size)
 
     def layout_desc(self, model_name: str | None = None) -> MemoryLayoutDesc:
         return self._registration(model_name).layout.layout_desc
@@ -372,7 +377,7 @@ class TieredKVEngine:
         mover = self._require_mover()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        keys = self._key_list(reg, token_ids)
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.store_calls += 1
@@ -403,7 +408,7 @@ class TieredKVEngine:
         storage = self._require_storage()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        keys = self._key_list(reg, token_ids)
         num_tokens = _count(token_ids)
         where = await storage.locate(keys)
         tokens = min(len(where) * self.config.chunk_size, num_tokens)
@@ -473,7 +478,7 @@ class TieredKVEngine:
         storage = self._require_storage()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        keys = self._key_list(reg, token_ids)
         where = await storage.locate(keys)
         self._counters.prefetch_calls += 1
         return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=0)
@@ -590,7 +595,7 @@ class TieredKVEngine:
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.retrieve_calls += 1
         chunk_size = self.config.chunk_size
-        keys = chunk_keys(reg.scope, token_ids, chunk_size)
+        keys = self._key_list(reg, token_ids)
         first = skip_prefix_tokens // chunk_size
         # The prefetch this request's lookup started ends with this retrieve, whatever it copies.
         handle = self._implicit.pop((reg.model_name, keys[-1]), None) if keys else None
@@ -637,7 +642,7 @@ class TieredKVEngine:
         mover = self._require_mover()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        keys = self._key_list(reg, token_ids)
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.store_calls += 1

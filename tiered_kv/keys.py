@@ -186,7 +186,10 @@ def token_bytes(ids: TokenIds) -> memoryview:
 
 def chunk_hashes(token_ids: TokenIds, chunk_size: int, seed: bytes) -> list[bytes]:
     """Prefix-chained hashes of every chunk of ``token_ids``, a trailing partial chunk included."""
-    raw = token_bytes(token_ids)
+    return _chained_hashes(token_bytes(token_ids), chunk_size, seed)
+
+
+def _chained_hashes(raw: bytes | memoryview, chunk_size: int, seed: bytes) -> list[bytes]:
     step = chunk_size * 4
     hasher = xxhash.xxh3_128
     hashes = []
@@ -203,3 +206,39 @@ def chunk_keys(scope: KeyScope, token_ids: TokenIds, chunk_size: int) -> list[Ch
     """One key per chunk of ``token_ids`` (``ceil(len / chunk_size)`` keys)."""
     seed = scope.chain_seed(chunk_size)
     return [ChunkKey(scope, h) for h in chunk_hashes(token_ids, chunk_size, seed)]
+
+
+class KeyMemo:
+    """The chunk keys of the last few token sequences hashed, so that the calls of one request
+    (its lookup, then its retrieve; a store, then the lookup) hash its tokens once.
+
+    A sequence is found by its bytes, compared whole with the remembered ones under the same
+    scope and chunk size: never by identity (a list mutated in place is hashed again) and never
+    by a digest alone (two sequences sharing one never share keys)."""
+
+    def __init__(self, size: int = 8) -> None:
+        if size < 1:
+            raise ValueError(f"KeyMemo: size must be >= 1, got {size}")
+        self.size = size
+        self.hits = 0
+        # (scope, chunk size, token bytes, keys), most recent last.
+        self._entries: list[tuple[KeyScope, int, bytes, tuple[ChunkKey, ...]]] = []
+
+    def chunk_keys(self, scope: KeyScope, token_ids: TokenIds, chunk_size: int) -> list[ChunkKey]:
+        """`chunk_keys` of ``token_ids``, remembered or computed."""
+        raw = bytes(token_bytes(token_ids))
+        entries = self._entries
+        for i in range(len(entries) - 1, -1, -1):
+            known_scope, known_size, known_raw, known_keys = entries[i]
+            if known_raw == raw and known_size == chunk_size and known_scope == scope:
+                self.hits += 1
+                entries.append(entries.pop(i))  # most recent last
+                return list(known_keys)
+        keys = tuple(
+            ChunkKey(scope, h)
+            for h in _chained_hashes(raw, chunk_size, scope.chain_seed(chunk_size))
+        )
+        entries.append((scope, chunk_size, raw, keys))
+        if len(entries) > self.size:
+            del entries[0]
+        return list(keys)
