@@ -69,9 +69,10 @@ class CudaLayerLoad(LayerLoad):
 
     On the staging path (`CudaMover.scatter_layerwise` returns once the first layers are
     queued) the rest is queued by its waiters (``pull``, a `_LoadPull` of the mover):
-    ``wait_layer(i)`` queues the copies through layer ``i`` and a lead beyond it on the calling
-    thread, then orders the stream after layer ``i``'s event, so on the GPU each layer waits
-    for its own copies only and the host never waits for another thread. The model's own
+    ``wait_layer(i)`` queues the copies through layer ``i`` (and, from the second wait on, a lead
+    beyond it) on the calling thread, then orders the stream after layer ``i``'s event, so on
+    the GPU each layer waits for its own copies only and the host never waits for another
+    thread. The model's own
     thread does the enqueue because a second Python thread enqueueing beside the model costs
     both: they share the GIL, and the enqueue's driver calls release it at every call, so they
     hand it back and forth. Measured on an H100 with Llama-3-8B's KV (docs/benchmarks.md): with
