@@ -66,6 +66,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -178,6 +179,24 @@ def compare(reference: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
 
 
 _STARTED = time.perf_counter()
+
+
+class GcPauses:
+    """The garbage collections of this process and their durations, as they happen: a timed run
+    that a collection lengthened is named in the log (`Bench.load_case`)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._began)
+
+
+GC_PAUSES = GcPauses()
 
 
 def log(message: str) -> None:
@@ -917,6 +936,7 @@ class Bench:
         """A correctness pass (deterministic kernels, untimed; also the warm-up), then ``reps``
         timed runs on the default kernels; ``reset`` runs before each."""
         times: list[float] = []
+        collected: list[float] = []  # collections inside the timed runs
         loaded = prefix = 0
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
         reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
@@ -928,6 +948,7 @@ class Bench:
             checked = i == 0
             with self.deterministic() if checked else contextlib.nullcontext():
                 self.runner.sync()
+                collections = len(GC_PAUSES.pauses)
                 start = time.perf_counter()
                 hit = await engine.lookup(request.host_ids)
                 load = None
@@ -942,6 +963,8 @@ class Bench:
                 prefix = min(loaded, n - 1)
                 logits = await self.runner.prefill(request, prefix, load=load)
                 elapsed = time.perf_counter() - start
+                if not checked:
+                    collected.extend(GC_PAUSES.pauses[collections:])
                 if load is not None:
                     await load.wait()
             if hit != request.cached_tokens or loaded != request.cached_tokens:
@@ -985,6 +1008,12 @@ class Bench:
         log(
             f"[{n}] {tier} {mode} {pct}% cached: TTFT {1e3 * ttft:.1f} ms{ratio}, speedup "
             f"{case.speedup:.2f}x over recomputing ({len(times)} runs)"
+            + (
+                f"; {len(collected)} garbage collections in them, the longest "
+                f"{1e3 * max(collected):.1f} ms"
+                if collected
+                else ""
+            )
         )
 
     def add(self, case: Case) -> None:
@@ -1041,6 +1070,11 @@ async def run_bench(opts: Options) -> Report:
     all_requests = {n: make_requests(opts, paged, n, device) for n in opts.lengths}
     workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=opts.l2_dir))
     l2_path = str(workdir / "l2")
+    # As vLLM's workers do once started (freeze_gc_heap): the model's objects are left out of
+    # every later garbage collection, so a collection during a timed run is short.
+    gc.collect()
+    gc.freeze()
+    gc.callbacks.append(GC_PAUSES)
     try:
         with contextlib.ExitStack() as stack:
             l3_url = None
@@ -1082,6 +1116,8 @@ async def run_bench(opts: Options) -> Report:
                             engine, "L3", n, all_requests[n], reset=evictor(engine)
                         )
     finally:
+        gc.callbacks.remove(GC_PAUSES)
+        gc.unfreeze()
         runner.close()
         shutil.rmtree(workdir, ignore_errors=True)
     report.options["graph_shapes"] = runner.captured_shapes
