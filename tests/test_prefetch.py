@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,9 @@ import torch
 
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, SyncTieredKVEngine, TieredKVEngine
+from tiered_kv.gpu.base import ChunkTransfer
+from tiered_kv.gpu.reference import TorchMover
+from tiered_kv.layout import KVCacheLayout
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
 TOKENS = list(range(1000, 1100))  # 100 tokens: 3 full chunks of 32 and a partial of 4
@@ -386,3 +389,48 @@ def test_blocking_facade_prefetch_handle_with_the_real_l2(tmp_path: Path) -> Non
         pending = engine.prefetch(TOKENS)  # left to close
         assert pending.hit_tokens == 100
     assert engine.engine.leaked_on_close == 0
+
+
+class _EvictingMover(TorchMover):
+    """Evicts every unreferenced L1 chunk of ``engine`` after its next scatter: the rest of a
+    prefix the retrieve found in L1 leaves it while the retrieve walks the prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: TieredKVEngine | None = None
+
+    async def scatter(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> None:
+        await super().scatter(layout, block_ids, transfers)
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            assert await engine.evict_l1() > 0
+
+
+async def test_a_prefix_that_leaves_l1_while_retrieved_is_loaded_from_below(
+    caches: KVCaches,
+) -> None:
+    """A retrieve that finds its whole prefix in L1 starts no prefetch; a chunk evicted while
+    the retrieve walks (after the first batch is scattered) is then loaded from the tier below
+    through a handle opened for it, and every byte arrives."""
+    tier = FaultyTier(MemoryTier())
+    mover = _EvictingMover()
+    engine = TieredKVEngine(_config(retrieve_batch_chunks=1), mover=mover, lower_tiers=[tier])
+    async with engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        await engine.store(TOKENS, SRC)
+        await engine.flush()  # in L1 and below
+        reference = caches.snapshot()
+        poison_blocks(caches, DST)
+        expected = caches.snapshot()
+        handles = engine.stats()["prefetch"]["handles"]
+        mover.engine = engine
+        result = await engine.retrieve_detailed(TOKENS, DST)  # no lookup: no prefetch of its own
+        assert (result.valid_tokens, result.stop_reason) == (100, "complete")
+        assert tier.calls["get"] == 3  # chunks 1-3, evicted after chunk 0's scatter
+        assert engine.stats()["prefetch"]["handles"] == handles + 1  # opened by the walk
+        expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
+        assert caches.bytes_equal(expected)
+        await _settle(engine)
+    assert engine.leaked_on_close == 0

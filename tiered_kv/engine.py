@@ -605,12 +605,13 @@ class TieredKVEngine:
             return RetrieveResult(skip_prefix_tokens, skip_prefix_tokens, "complete", policy)
         if handle is None or handle.released:
             where = await storage.locate(keys[first:])
-            handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
-        covered = handle.first_chunk + len(handle.slots)
-        if covered < len(keys):  # the prefix grew since the lookup that made the handle
-            handle.extend(
-                [(keys[i], self._chunk_tokens(i, num_tokens)) for i in range(covered, len(keys))]
-            )
+            # A prefix wholly in L1 needs no prefetch: the walk takes it from L1 (and opens a
+            # handle if a chunk has left L1 since).
+            handle = None
+            if any(location != -1 for location in where):
+                handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
+        if handle is not None:
+            self._extend_handle(handle, keys, num_tokens)
         return RetrieveRequest(
             layout=reg.layout,
             keys=keys,
@@ -620,12 +621,32 @@ class TieredKVEngine:
             first=first,
             policy=policy,
             handle=handle,
+            open_handle=functools.partial(self._open_handle, reg, keys, num_tokens, first),
             chunk_size=chunk_size,
             chunk_tokens=functools.partial(self._chunk_tokens, total=num_tokens),
             timeout_base_s=self.config.prefetch_timeout_base_s,
             timeout_per_1k_tokens_s=self.config.prefetch_timeout_per_1k_tokens_s,
             batch_chunks=self.config.retrieve_batch_chunks,
         )
+
+    def _extend_handle(
+        self, handle: PrefetchHandle, keys: Sequence[ChunkKey], num_tokens: int
+    ) -> None:
+        """Unreserved slots for the chunks past the handle's last (the prefix grew since the
+        lookup that made it, or the handle was opened empty)."""
+        covered = handle.first_chunk + len(handle.slots)
+        if covered < len(keys):
+            handle.extend(
+                [(keys[i], self._chunk_tokens(i, num_tokens)) for i in range(covered, len(keys))]
+            )
+
+    def _open_handle(
+        self, reg: Registration, keys: Sequence[ChunkKey], num_tokens: int, first: int
+    ) -> PrefetchHandle:
+        """A handle over chunks ``first`` on with nothing reserved yet (`RetrieveRequest`)."""
+        handle = self._start_prefetch(reg, keys, [], num_tokens, first_chunk=first)
+        self._extend_handle(handle, keys, num_tokens)
+        return handle
 
     @_call
     async def store_layerwise(

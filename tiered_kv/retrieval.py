@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from tiered_kv.errors import EngineStateError
@@ -108,7 +108,9 @@ class RetrieveCounters(Protocol):
 @dataclasses.dataclass(frozen=True, slots=True)
 class RetrieveRequest:
     """A retrieve call's validated arguments. ``handle`` covers chunks from ``first`` on (the
-    lookup's prefetch, or one started for this call); ``chunk_tokens(i)`` is chunk i's length."""
+    lookup's prefetch, or one started for this call), or is None when every chunk was in L1:
+    ``open_handle()`` then makes an empty one, should a chunk need a load after all.
+    ``chunk_tokens(i)`` is chunk i's length."""
 
     layout: KVCacheLayout
     keys: Sequence[ChunkKey]
@@ -117,7 +119,8 @@ class RetrieveRequest:
     skip_prefix_tokens: int
     first: int
     policy: str
-    handle: PrefetchHandle
+    handle: PrefetchHandle | None
+    open_handle: Callable[[], PrefetchHandle]
     chunk_size: int
     chunk_tokens: Callable[[int], int]
     timeout_base_s: float
@@ -159,10 +162,9 @@ class Retriever:
                 transfer.obj.unref()
             batch.clear()
 
-        async def add(transfer: ChunkTransfer) -> None:
+        def add(transfer: ChunkTransfer) -> Awaitable[None] | None:
             batch.append(transfer)
-            if len(batch) >= request.batch_chunks:
-                await flush()
+            return flush() if len(batch) >= request.batch_chunks else None
 
         try:
             walk = await self._walk(request, add, flush)
@@ -178,16 +180,13 @@ class Retriever:
         layer-major scatter of them all; returns with the result before any layer is ready."""
         taken: list[ChunkTransfer] = []
 
-        async def add(transfer: ChunkTransfer) -> None:
-            taken.append(transfer)
-
         async def keep() -> None:
             """Layer-major needs every chunk at once: nothing to give back early."""
 
         load: LayerLoad = FinishedLayerLoad(request.layout.num_layers)
         delivered = request.skip_prefix_tokens
         try:
-            walk = await self._walk(request, add, keep)
+            walk = await self._walk(request, taken.append, keep)
             if taken:
                 load = await self._mover.scatter_layerwise(request.layout, request.block_ids, taken)
                 last = taken[-1]
@@ -202,12 +201,14 @@ class Retriever:
     async def _walk(
         self,
         request: RetrieveRequest,
-        add: Callable[[ChunkTransfer], Any],
-        make_room: Callable[[], Any],
+        add: Callable[[ChunkTransfer], Awaitable[None] | None],
+        make_room: Callable[[], Awaitable[None]],
     ) -> _Walk:
         """Take chunks from ``request.first`` on, in order, until one is missing, late, failed
-        or has no room; each taken chunk (a held L1 object) goes to ``add``. ``make_room`` is
-        awaited before waiting for or reserving a load, so the caller can drop references."""
+        or has no room; each taken chunk (a held L1 object) goes to ``add``, whose awaitable,
+        if it returns one, is awaited (a plain append costs no coroutine per chunk).
+        ``make_room`` is awaited before waiting for or reserving a load, so the caller can drop
+        references."""
         storage, controller, handle = self._storage, self._controller, request.handle
         keys = request.keys
         loop = asyncio.get_running_loop()
@@ -234,7 +235,7 @@ class Retriever:
                 index = walk.index
                 key = keys[index]
                 tokens = request.chunk_tokens(index)
-                slot = handle.slot(index)
+                slot = None if handle is None else handle.slot(index)
                 obj: MemoryObj | None = None
                 if slot is None or not slot.held:
                     obj = storage.get_l1(key)
@@ -247,6 +248,8 @@ class Retriever:
                             walk.stop_reason = "late"
                             break
                         await make_room()  # our own references must not crowd out the load
+                        if handle is None:  # the chunk left L1 since it was located
+                            handle = request.open_handle()
                         got = controller.reserve(key, tiers, desc, tokens, budgeted=False)
                         if isinstance(got, str):
                             walk.stop_reason = "no_space"
@@ -254,7 +257,8 @@ class Retriever:
                         slot = handle.add_slot(index, key, tokens, got)
                 if obj is None:
                     load = None if slot is None else slot.load
-                    if slot is None or load is None:  # unreachable: reserved just above
+                    # Unreachable: the handle held the chunk's slot, or it was reserved above.
+                    if handle is None or slot is None or load is None:
                         raise EngineStateError(f"retrieve: chunk {index} has no reservation")
                     had_to_wait = False
                     if not load.finished() and load.task is not None:
@@ -279,9 +283,13 @@ class Retriever:
                 start = index * request.chunk_size
                 skip = max(0, request.skip_prefix_tokens - start)
                 walk.index += 1
-                await add(ChunkTransfer(obj, start, skip))
+                pending = add(ChunkTransfer(obj, start, skip))
+                if pending is not None:
+                    await pending
         finally:
-            if walk.stop_reason == "failed":
+            if handle is None:
+                pass
+            elif walk.stop_reason == "failed":
                 handle.cancel()  # loading past a miss is wasted work
             else:
                 handle.release_unused()  # late loads finish into L1 for the next request
