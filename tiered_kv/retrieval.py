@@ -287,11 +287,9 @@ class Retriever:
                 if pending is not None:
                     await pending
         finally:
-            if handle is None:
-                pass
-            elif walk.stop_reason == "failed":
+            if handle is not None and walk.stop_reason == "failed":
                 handle.cancel()  # loading past a miss is wasted work
-            else:
+            elif handle is not None:
                 handle.release_unused()  # late loads finish into L1 for the next request
         return walk
 

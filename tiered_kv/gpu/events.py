@@ -67,18 +67,17 @@ class CudaLayerLoad(LayerLoad):
     model layer ``i`` is queued; ``result`` resolves when the waiter has seen the whole call
     finish.
 
-    On the staging path (`CudaMover.scatter_layerwise` returns once the first layers are
-    queued) the rest is queued by its waiters (``pull``, a `_LoadPull` of the mover):
-    ``wait_layer(i)`` queues the copies through layer ``i`` (and, from the second wait on, a lead
-    beyond it) on the calling thread, then orders the stream after layer ``i``'s event, so on
-    the GPU each layer waits for its own copies only and the host never waits for another
-    thread. The model's own
-    thread does the enqueue because a second Python thread enqueueing beside the model costs
+    On the staging path (`CudaMover.scatter_layerwise` returns once the first layers are queued)
+    the rest is queued by its waiters (``pull``, a `_LoadPull` of the mover): ``wait_layer(i)``
+    queues the copies through layer ``i`` (and, from the second wait on, a lead beyond it) on
+    the calling thread, then orders the stream after layer ``i``'s event, so on the GPU each
+    layer waits for its own copies only and the host never waits for another thread. The model's
+    own thread does the enqueue because a second Python thread enqueueing beside the model costs
     both: they share the GIL, and the enqueue's driver calls release it at every call, so they
     hand it back and forth. Measured on an H100 with Llama-3-8B's KV (docs/benchmarks.md): with
-    eager launches, a 32k-token enqueue on the loop's thread took over 60 ms instead of
-    16-26 ms and starved the copy engine; with CUDA graphs, waking the model per queued layer
-    stretched an 8k-token enqueue from 7.2-8.5 ms to 10.1-11.7 ms.
+    eager launches, a 32k-token enqueue on the loop's thread took over 60 ms instead of 16-26 ms
+    and starved the copy engine; with CUDA graphs, waking the model per queued layer stretched
+    an 8k-token enqueue from 7.2-8.5 ms to 10.1-11.7 ms.
 
     Other paths (a kernel or a batched copy per layer) are enqueued whole by a task of the
     loop (``task``) before the call returns.
