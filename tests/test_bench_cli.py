@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pty
+import select
 import struct
 import subprocess
 import sys
@@ -142,6 +143,18 @@ def test_bench_scripts_in_a_clone_run_the_packaged_benchmarks() -> None:
         assert "--no-plot" in result.stdout
 
 
+def _drain(fd: int) -> bytes:
+    """Everything written to a pty's other side so far: the kernel hands it over
+    asynchronously, so one read may return only its start."""
+    chunks = []
+    while select.select([fd], [], [], 0.5)[0]:
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
 def test_progress_draws_on_a_terminal_that_reports_no_size() -> None:
     # A pty whose size was never set reports 0 x 0 (as under `script` or `docker exec -t`);
     # tqdm alone would draw nothing there.
@@ -152,7 +165,7 @@ def test_progress_draws_on_a_terminal_that_reports_no_size() -> None:
             bar = Progress(4, "bench", stream=terminal)
             for step in range(4):
                 bar.advance(f"step {step}")
-        shown = os.read(main_fd, 65536).decode()
+        shown = _drain(main_fd).decode()
     finally:
         os.close(main_fd)
         os.close(side_fd)
