@@ -373,6 +373,36 @@ async def test_a_fault_while_the_model_thread_enqueues_fails_that_layer_and_leak
         assert torch.equal(after[3][0].view(torch.uint8), poisoned[3][0].view(torch.uint8))
 
 
+async def test_a_freed_object_fails_a_layerwise_call_before_it_takes_a_pooled_buffer() -> None:
+    """A layerwise load or store given an object already freed raises before it takes anything:
+    the pool keeps its call buffers and the live objects keep their reference counts."""
+    mover = CudaMover(MoverOptions(path="staging"))
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, device="cuda")
+    layout = _layout(caches.entries, caches.hints)
+    arena = HostArena(16 << 20, pin=True)
+    try:
+        objs = _objects(arena, layout, 96)
+        await mover.gather(layout, [0, 1, 2, 3, 4, 5], _transfers(objs, 0))  # fills the pool
+        state = mover._state(layout.device)
+        pooled = len(state.buffers)
+        assert pooled >= 1
+        objs[1].unref()  # freed: its transfer is stale
+        transfers = _transfers(objs, 0)
+        with pytest.raises(TieredKVError, match="freed"):
+            await mover.scatter_layerwise(layout, [8, 9, 10, 11, 12, 13], transfers)
+        save = mover.begin_gather(layout, [0, 1, 2, 3, 4, 5], transfers)
+        with pytest.raises(TieredKVError, match="freed"):
+            save.save(0)
+        assert len(state.buffers) == pooled
+        assert [objs[0].refcount, objs[2].refcount] == [1, 1]
+        for obj in (objs[0], objs[2]):
+            obj.unref()
+    finally:
+        await mover.aclose()
+        leaked = arena.close()
+    assert leaked == 0
+
+
 async def _retrieves_what_was_stored(
     engine: TieredKVEngine, caches: Any, tokens: list[int], src: list[int], dst: list[int]
 ) -> None:

@@ -557,12 +557,13 @@ class CudaMover(KVMover):
             state = self._state(layout.device)
             plan = self._plan(state, layout)
             side = state.store
+            held = _hold(transfers)  # before a pooled buffer: a freed object costs the pool none
             call = _Call(
                 direction="gather",
                 state=state,
                 side=side,
                 buffers=state.take_buffers(),
-                held=_hold(transfers),
+                held=held,
                 nbytes=0,
                 result=asyncio.get_running_loop().create_future(),
                 path=plan.path,
