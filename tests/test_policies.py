@@ -356,3 +356,25 @@ async def test_prefetch_off_means_lookup_loads_nothing(caches: KVCaches) -> None
         assert e.stats()["prefetch"]["loads_started"] == 0
         assert await e.retrieve(TOKENS, DST) == 100  # wait_complete loads at retrieve
         await _no_leak(e)
+
+
+@pytest.mark.parametrize(
+    ("tiers", "l2", "named"),
+    [
+        (["L2"], True, "'L2' and 'L2'"),  # a custom tier named like the engine's own L2
+        (["cold", "Cold"], False, "'Cold' and 'cold'"),  # names compare without case
+        (["l1"], False, "'l1' and 'L1'"),
+    ],
+)
+async def test_two_tiers_of_one_name_are_refused_and_the_arena_is_freed(
+    tmp_path: Path, tiers: list[str], l2: bool, named: str
+) -> None:
+    """A tier's name keys its write policy and its statistics: two tiers sharing one would
+    share both, so the engine refuses to open, and gives back the L1 arena it had allocated."""
+    config = _config(l2_path=str(tmp_path / "l2")) if l2 else _config()
+    engine = TieredKVEngine(config, lower_tiers=[MemoryTier(name) for name in tiers])
+    with pytest.raises(ConfigError, match=f"two tiers are named {named}"):
+        await engine.open()
+    assert engine._arena is None  # freed, not left pinned
+    async with TieredKVEngine(config, lower_tiers=[MemoryTier("cold")]) as e:
+        assert [t.name for t in e._require_storage().lower] == (["L2", "cold"] if l2 else ["cold"])

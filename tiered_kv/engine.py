@@ -146,19 +146,21 @@ class TieredKVEngine:
         if self._storage is not None:
             return self
         self._arena = HostArena(self.config.l1_bytes, pin=self.config.pin_memory)
-        l1 = L1Tier(self._arena)
-        lower = [*tier_factory.lower_tiers(self.config), *self._extra_tiers]
-        storage = StorageManager(
-            l1,
-            lower,
-            write_queue=self.config.lower_write_queue,
-            write_policies={tier.name: self.config.write_policy_for(tier.name) for tier in lower},
-            selective_min_hits=self.config.selective_min_hits,
-        )
+        storage: StorageManager | None = None
         try:
+            l1 = L1Tier(self._arena)
+            lower = [*tier_factory.lower_tiers(self.config), *self._extra_tiers]
+            storage = StorageManager(
+                l1,
+                lower,
+                write_queue=self.config.lower_write_queue,
+                write_policies={t.name: self.config.write_policy_for(t.name) for t in lower},
+                selective_min_hits=self.config.selective_min_hits,
+            )
             await storage.open()
-        except BaseException:
-            await storage.aclose(0)
+        except BaseException:  # a refused tier set or a tier that did not open: free the arena
+            if storage is not None:
+                await storage.aclose(0)
             self._arena.close()
             self._arena = None
             raise

@@ -147,6 +147,24 @@ class StorageStats:
     tiers: tuple[LowerTierTraffic, ...]  # top first
 
 
+def _check_tier_names(l1_name: str, lower: Sequence[LowerTier]) -> None:
+    """A tier's name keys its write policy and its statistics (compared without case, as
+    ``write_policies`` are): two tiers of one name would share both, so refuse them."""
+    seen = {l1_name.lower(): l1_name}
+    for tier in lower:
+        name = tier.name
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"lower tier {tier!r}: its name must be a non-empty string")
+        other = seen.get(name.lower())
+        seen[name.lower()] = name
+        if other is not None:
+            raise ConfigError(
+                f"two tiers are named {name!r} and {other!r}: a tier's name keys its write "
+                "policy and its statistics, and names are compared without case; give each "
+                "custom lower tier a name of its own"
+            )
+
+
 class StorageManager:
     """Chains L1 and the lower tiers.
 
@@ -173,6 +191,7 @@ class StorageManager:
     ) -> None:
         self.l1 = l1
         self.lower = tuple(lower)
+        _check_tier_names(l1.name, self.lower)
         policies = dict(write_policies or {})
         for name, policy in policies.items():
             if policy not in WRITE_POLICIES:

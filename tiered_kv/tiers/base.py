@@ -11,6 +11,8 @@ Contract for implementers:
 - `contains` answers from the tier's own index without I/O; it may be stale only in the direction
   of a later miss (a file removed behind our back), never of wrong data, since `get_into` verifies
   the key and the checksum.
+- ``name`` keys the tier's write policy and its statistics: an engine refuses two tiers of one
+  name, compared without case (L1's included).
 """
 
 from __future__ import annotations
