@@ -279,17 +279,13 @@ class CudaMover(KVMover):
         loop = asyncio.get_running_loop()
         layers = check_layers(layout, None)
         side = state.load
-        held = _hold(transfers)
-        call = _Call(
-            direction="scatter",
-            state=state,
-            side=side,
-            buffers=state.take_buffers(),
-            held=held,
+        call = _new_call(
+            state,
+            side,
+            "scatter",
+            _hold(transfers),
+            plan.path,
             nbytes=sum(moved_bytes(plan, t, False, layers) for t in transfers),
-            result=loop.create_future(),
-            path=plan.path,
-            start=time.perf_counter(),
             layers=layers,
             load=load,
         )
@@ -445,23 +441,18 @@ class CudaMover(KVMover):
         to_host = direction == "gather"
         side = state.store if to_host else state.load
         loop = asyncio.get_running_loop()
-        if held is None:
-            held = _hold(transfers)
-        call = _Call(
-            direction=direction,
-            state=state,
-            side=side,
-            buffers=state.take_buffers(),
-            held=held,
-            nbytes=0,  # counted once the call is queued: the first DMA should not wait
-            result=loop.create_future(),
-            path=plan.path,
+        call = _new_call(
+            state,
+            side,
+            direction,
+            _hold(transfers) if held is None else held,
+            plan.path,
             start=start,
             trace={} if self.trace is not None else None,
             layers=layers,
             after=after,
             load=load,
-        )
+        )  # nbytes is counted once the call is queued: the first DMA should not wait
         if load is not None:
             load.call_owns_objects = True
         if call.trace is not None:
@@ -557,19 +548,7 @@ class CudaMover(KVMover):
             state = self._state(layout.device)
             plan = self._plan(state, layout)
             side = state.store
-            held = _hold(transfers)  # before a pooled buffer: a freed object costs the pool none
-            call = _Call(
-                direction="gather",
-                state=state,
-                side=side,
-                buffers=state.take_buffers(),
-                held=held,
-                nbytes=0,
-                result=asyncio.get_running_loop().create_future(),
-                path=plan.path,
-                start=time.perf_counter(),
-                learn=False,
-            )
+            call = _new_call(state, side, "gather", _hold(transfers), plan.path, learn=False)
             save.call, save.plan = call, plan
             state.kernels.make_current()
             if plan.path == "staging":
@@ -1103,6 +1082,34 @@ def _retrieved(result: asyncio.Future[float]) -> None:
     """A layerwise load's result may never be awaited: mark its exception as seen."""
     if not result.cancelled():
         result.exception()
+
+
+def _new_call(
+    state: _DeviceState,
+    side: Direction,
+    direction: str,
+    held: list[MemoryObj],
+    path: str,
+    *,
+    nbytes: int = 0,
+    start: float | None = None,
+    **fields: Any,
+) -> _Call:
+    """A call on ``side`` holding ``held`` and the pool's next buffers. The references come in
+    taken (`_hold`) before the buffers are: a freed object fails the call before it costs the
+    pool a buffer set."""
+    return _Call(
+        direction=direction,
+        state=state,
+        side=side,
+        buffers=state.take_buffers(),
+        held=held,
+        nbytes=nbytes,
+        result=asyncio.get_running_loop().create_future(),
+        path=path,
+        start=time.perf_counter() if start is None else start,
+        **fields,
+    )
 
 
 def _hold(transfers: Sequence[ChunkTransfer]) -> list[MemoryObj]:
