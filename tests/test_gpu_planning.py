@@ -278,12 +278,20 @@ def test_moved_bytes_of_some_layers() -> None:
     assert obj is not None
     try:
         transfer = ChunkTransfer(obj, 0, skip_tokens=8)
-        every = moved_bytes(plan, transfer, True, range(5))
+        every = moved_bytes(plan, [transfer], True, range(5))
         groups = [g.host.nbytes(32) for g in layout.groups]
         assert every == sum(groups)
-        assert moved_bytes(plan, transfer, True, [1]) == groups[1] // 2
-        assert moved_bytes(plan, transfer, False, [4]) == groups[2] * 24 // 32
-        assert moved_bytes(plan, transfer, False) == obj.nbytes * 24 // 32
+        assert moved_bytes(plan, [transfer], True, [1]) == groups[1] // 2
+        assert moved_bytes(plan, [transfer], False, [4]) == groups[2] * 24 // 32
+        assert moved_bytes(plan, [transfer], False) == obj.nbytes * 24 // 32
+        # Several transfers: the sum of each one's bytes (the skip counted per transfer).
+        whole = ChunkTransfer(obj, 32)
+        assert (
+            moved_bytes(plan, [transfer, whole], False, [1, 4])
+            == (groups[1] // 2 + groups[2]) * (24 + 32) // 32
+        )
+        assert moved_bytes(plan, [transfer, whole], False) == obj.nbytes * (24 + 32) // 32
+        assert moved_bytes(plan, [], True, range(5)) == 0
     finally:
         obj.unref()
         assert arena.close() == 0

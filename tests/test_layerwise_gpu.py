@@ -316,9 +316,16 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
 
         model = await asyncio.to_thread(model_thread)
         assert model != loop_thread
-        # The first wait queues nothing beyond its layer (the model has not started yet); the
-        # next one queues its two-layer lead.
-        assert queued[:2] == [[True, True, False, False], [True, True, True, True]]
+        # The first wait queues nothing beyond its layer (the model has not started yet); each
+        # next one, its layer queued already, adds one fill of its lead: layer 2, then the first
+        # of layer 3's three (the last slot's worth ramps down: 2 KiB fills); the wait of layer
+        # 3 queues what that layer still lacks.
+        assert queued == [
+            [True, True, False, False],
+            [True, True, True, False],
+            [True, True, True, False],
+            [True, True, True, True],
+        ]
         assert mover.threads_of(2) == mover.threads_of(3) == {model}  # the waiter's, not the loop's
         stream.synchronize()
         await load.wait()

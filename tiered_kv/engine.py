@@ -606,12 +606,14 @@ class TieredKVEngine:
                 handle.release_unused()
             return RetrieveResult(skip_prefix_tokens, skip_prefix_tokens, "complete", policy)
         if handle is None or handle.released:
-            where = await storage.locate(keys[first:])
-            # A prefix wholly in L1 needs no prefetch: the walk takes it from L1 (and opens a
-            # handle if a chunk has left L1 since).
+            # A prefix wholly in L1 needs no prefetch (nor a `locate`, which would ask the
+            # lower tiers about nothing): the walk takes it from L1, and opens a handle if a
+            # chunk has left L1 since.
             handle = None
-            if any(location != -1 for location in where):
-                handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
+            if not all(map(storage.in_l1, keys[first:])):
+                where = await storage.locate(keys[first:])
+                if any(location != -1 for location in where):
+                    handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
         if handle is not None:
             self._extend_handle(handle, keys, num_tokens)
         return RetrieveRequest(

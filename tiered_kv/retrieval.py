@@ -234,7 +234,6 @@ class Retriever:
             while walk.index < len(keys):
                 index = walk.index
                 key = keys[index]
-                tokens = request.chunk_tokens(index)
                 slot = None if handle is None else handle.slot(index)
                 obj: MemoryObj | None = None
                 if slot is None or not slot.held:
@@ -250,6 +249,7 @@ class Retriever:
                         await make_room()  # our own references must not crowd out the load
                         if handle is None:  # the chunk left L1 since it was located
                             handle = request.open_handle()
+                        tokens = request.chunk_tokens(index)
                         got = controller.reserve(key, tiers, desc, tokens, budgeted=False)
                         if isinstance(got, str):
                             walk.stop_reason = "no_space"

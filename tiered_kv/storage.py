@@ -197,6 +197,7 @@ class StorageManager:
             if policy not in WRITE_POLICIES:
                 raise ConfigError(f"write policy for {name}: expected one of {WRITE_POLICIES}")
         self._policies = [policies.get(tier.name, WRITE_THROUGH) for tier in self.lower]
+        self._selective = SELECTIVE in self._policies  # `record_hit` has work to do
         self._write_queue_size = write_queue
         self._selective_min_hits = selective_min_hits
         self._queues: list[_WriteQueue] = []
@@ -317,7 +318,7 @@ class StorageManager:
 
     def record_hit(self, key: ChunkKey, obj: MemoryObj) -> None:
         """A chunk was delivered to a request: count it, admit it to selective tiers at N."""
-        if not any(wq.policy == SELECTIVE for wq in self._queues):
+        if not self._selective:
             return
         count = self._hit_counts.pop(key, 0) + 1
         self._hit_counts[key] = count

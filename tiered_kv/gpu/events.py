@@ -86,7 +86,8 @@ class CudaLayerLoad(LayerLoad):
     def __init__(self, device: torch.device, num_layers: int) -> None:
         super().__init__(num_layers)
         self.device = device
-        self.events = [torch.cuda.Event() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
+        # Made as the layers are queued: a load's front (its first copies) makes one or two.
+        self.events: dict[int, torch.cuda.Event] = {}
         self._has_event = [False] * num_layers
         self.task: asyncio.Task[None] | None = None  # the enqueue
         self.result: asyncio.Future[float] | None = None  # the GPU work
@@ -100,7 +101,9 @@ class CudaLayerLoad(LayerLoad):
 
     def record_layer(self, layer: int, stream: torch.cuda.Stream) -> None:
         """The enqueueing thread: layer ``layer``'s last copy is queued on ``stream``."""
-        self.events[layer].record(stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        self.events[layer] = event
         self._has_event[layer] = True
 
     def end_enqueue(self, error: BaseException | None) -> None:

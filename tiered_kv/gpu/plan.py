@@ -157,17 +157,29 @@ def choose_path(layout: KVCacheLayout, requested: str = "auto") -> str:
 
 
 def moved_bytes(
-    plan: LayoutPlan, transfer: ChunkTransfer, to_host: bool, layers: Sequence[int] | None = None
+    plan: LayoutPlan,
+    transfers: Sequence[ChunkTransfer],
+    to_host: bool,
+    layers: Sequence[int] | None = None,
 ) -> int:
-    """Bytes a transfer moves: a scatter skips its first ``skip_tokens``; ``layers`` (model
-    layer indexes) restricts it to those layers."""
-    obj = transfer.obj
-    tokens = obj.num_tokens if to_host else obj.num_tokens - transfer.skip_tokens
+    """Bytes ``transfers`` move together: a scatter skips each one's first ``skip_tokens``;
+    ``layers`` (model layer indexes) restricts them to those layers (a slab's bytes are linear
+    in its tokens: one sum of tokens, not one slab per chunk)."""
     if layers is None:
-        return obj.nbytes * tokens // obj.num_tokens
+        total = 0
+        for transfer in transfers:
+            obj = transfer.obj
+            tokens = obj.num_tokens if to_host else obj.num_tokens - transfer.skip_tokens
+            total += obj.nbytes * tokens // obj.num_tokens
+        return total
     counts = plan.layer_counts(layers)
-    groups = zip(plan.groups, counts, strict=True)
-    return sum(n * group.slab_bytes(1, tokens) for group, n in groups)
+    per_token = sum(
+        n * group.slab_bytes(1, 1) for group, n in zip(plan.groups, counts, strict=True)
+    )
+    tokens = sum(
+        t.obj.num_tokens if to_host else t.obj.num_tokens - t.skip_tokens for t in transfers
+    )
+    return per_token * tokens
 
 
 def group_offset(obj: MemoryObj, group: GroupPlan) -> int:
