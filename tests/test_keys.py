@@ -133,6 +133,20 @@ def test_int32_inputs_hash_like_lists() -> None:
     expected = chunk_keys(SCOPE, ids, CS)
     assert chunk_keys(SCOPE, torch.tensor(ids, dtype=torch.int32), CS) == expected
     assert chunk_keys(SCOPE, np.array(ids, dtype=np.int32), CS) == expected
+    assert chunk_keys(SCOPE, np.array(ids, dtype=">i4"), CS) == expected  # byte-swapped
+    # Strided 32-bit views (reinterpreted as uint32 without a copy) read every other id.
+    every_other = chunk_keys(SCOPE, ids[::2], CS)
+    assert chunk_keys(SCOPE, torch.tensor(ids, dtype=torch.int32)[::2], CS) == every_other
+    assert chunk_keys(SCOPE, np.array(ids, dtype=np.uint32)[::2], CS) == every_other
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+def test_negative_ids_are_refused_at_every_signed_width(dtype: type) -> None:
+    ids = np.array([*(t % 100 for t in tokens(CS - 1)), -1], dtype=dtype)
+    with pytest.raises(LayoutError, match="ids must be in"):
+        chunk_keys(SCOPE, ids, CS)
+    with pytest.raises(LayoutError, match="ids must be in"):
+        chunk_keys(SCOPE, torch.from_numpy(ids), CS)
 
 
 def test_non_contiguous_tensor_and_array_hash_like_lists() -> None:

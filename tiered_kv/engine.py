@@ -799,8 +799,8 @@ def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:
     multiple = reg.layout.layout_desc.token_multiple
     if multiple == 1:
         return token_ids
-    count = _count(token_ids)
-    return token_ids[: count - count % multiple]
+    partial = _count(token_ids) % multiple
+    return token_ids[:-partial] if partial else token_ids  # no slice (a tensor op) if whole
 
 
 # Moved to `tiered_kv.sync`; still importable from here (the CLI and benches do).

@@ -163,15 +163,24 @@ def token_bytes(ids: TokenIds) -> memoryview:
             raise LayoutError(
                 f"token_ids: expected a 1-D tensor, got shape {tuple(token_ids.shape)}"
             )
-        token_ids = token_ids.detach().cpu().numpy()
+        try:  # a CPU tensor's own memory (no detach, no copy)
+            token_ids = token_ids.numpy()
+        except (RuntimeError, TypeError):  # one that needs grad, or on a device
+            token_ids = token_ids.detach().cpu().numpy()
     if hasattr(token_ids, "__array_interface__"):  # numpy array
         import numpy as np
 
         arr = np.asarray(token_ids)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        kind, size = arr.dtype.kind, arr.dtype.itemsize
+        if arr.ndim != 1 or kind not in "iu":
             raise LayoutError(f"token_ids: expected 1-D integers, got {arr.dtype} {arr.shape}")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        # Only signed ids can be negative, and only ids wider than 32 bits too large.
+        if arr.size and (
+            (kind == "i" and int(arr.min()) < 0) or (size > 4 and int(arr.max()) > 0xFFFFFFFF)
+        ):
             raise LayoutError("token_ids: ids must be in [0, 2**32)")
+        if size == 4 and arr.dtype.byteorder in "<=|" and sys.byteorder == "little":
+            return memoryview(arr.view("<u4").tobytes())  # int32 >= 0: the same bits
         return memoryview(np.ascontiguousarray(arr, dtype="<u4").tobytes())
     try:
         packed = array.array("I", token_ids)

@@ -997,10 +997,12 @@ class _LoadPull:
                         if fills <= 0:
                             return
                         fills -= 1
+                    # Queued before the next fill is planned (its copies start sooner). The
+                    # fill that completes the last layer is the last one (layer-major).
                     fill = self._upcoming
-                    self._upcoming = next(self._fills, None)
-                    edge = self._upcoming is None
+                    edge = self.last in fill.completes
                     self.mover._queue_fill(call, self._plan, fill, False, self._device_ids, edge)
+                    self._upcoming = next(self._fills, None)
                 call.buffers.done.record(call.side.kernel_stream)
             except BaseException as exc:  # what was queued finishes; the rest never runs
                 error = exc

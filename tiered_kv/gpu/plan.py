@@ -230,9 +230,9 @@ def slot_fills(
             if layers is None
             else plan.layer_counts(layers)
         )
+        tokens = sum(t.obj.num_tokens for t in transfers)  # slab bytes are linear in tokens
         remaining = sum(
-            n * sum(group.slab_bytes(1, t.obj.num_tokens) for t in transfers)
-            for group, n in zip(plan.groups, counts, strict=True)
+            n * group.slab_bytes(1, tokens) for group, n in zip(plan.groups, counts, strict=True)
         )
     cap = 0
     # Layers the current fill may complete while a layer-major scatter ramps up (0: no limit),
