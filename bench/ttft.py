@@ -216,6 +216,8 @@ class Options:
     ceiling_bytes: int = GiB
     disk_probe_bytes: int = GiB
     cold_budget_s: float = 40.0  # estimated disk time allowed for cold-L2 cases
+    # Pause after filling L2/L3, before the next timed work (`Bench.fill_lower` says why).
+    settle_s: float = 5.0
     l2_dir: str | None = None
     tiers: tuple[str, ...] = ("L1", "L2", "L3")
     seed: int = 0
@@ -232,6 +234,8 @@ class Options:
                 )
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if not 0 <= self.settle_s <= 600:
+            raise ValueError(f"settle_s must be in [0, 600], got {self.settle_s}")
         if self.launch not in ("graphs", "eager"):
             raise ValueError(f"launch must be 'graphs' or 'eager', got {self.launch!r}")
         if self.launch == "graphs" and not self.device.startswith("cuda"):
@@ -261,6 +265,7 @@ def tiny_options(**overrides: Any) -> Options:
         "ceiling_bytes": 64 << 20,
         "disk_probe_bytes": 64 << 20,
         "cold_budget_s": 10.0,
+        "settle_s": 0.0,
     }
     values.update(overrides)
     return Options(**values)
@@ -801,11 +806,13 @@ class Bench:
     ) -> None:
         """Store the stored prompt's KV in L2/L3 (write-through, flushed), as L1 delivers it
         (an untimed whole retrieve into its blocks first): every tier holds the same bytes, so
-        every tier's loads match one resident-prefix reference. After the L1 load cases: a
-        large write to the L3 server on loopback slowed the L1 loads timed in the seconds after
-        it (8k layerwise: medians of 22.0 ms without an L3 store before them, 22.8-23.6 ms
-        with, single runs up to 69 ms; the server's and this process's CPU time and the
-        kernel's page-migration counters did not move), and a real L3 is another machine."""
+        every tier's loads match one resident-prefix reference. After the L1 load cases, then
+        ``settle_s`` of nothing: a large write to the L3 server on loopback slowed the loads
+        timed in the seconds after it (8k layerwise L1 loads on an H100: medians of 22.0 ms
+        with no L3 store before them, 22.8-23.6 ms with one, single runs up to 69 ms; 22.4 ms
+        with a 2 s pause after it; the server's and this process's CPU time and the kernel's
+        page-migration counters did not move, so the cause is not known). A real L3 is another
+        machine."""
         got = await l1.retrieve(stored.host_ids, stored.block_ids)
         if got != n:
             raise RuntimeError(f"[{n}] L1 delivered {got} of {n} tokens for the L2/L3 store")
@@ -817,6 +824,7 @@ class Bench:
             raise RuntimeError(f"[{n}] L2/L3 writer stored {stored_tokens} of {n} tokens")
         await writer.evict_l1()
         log(f"[{n}] stored to L2 + L3 (write-through, flushed) in {elapsed:.2f} s")
+        await asyncio.sleep(self.opts.settle_s)
 
     async def references(self, n: int, requests: dict[int, Request]) -> None:
         """Deterministic recomputes of the 50% and the fresh prompt, then the controls: the
@@ -1572,6 +1580,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
     parser.add_argument(
         "--cold-budget-s", type=float, help="estimated seconds of cold-L2 disk reads allowed"
     )
+    parser.add_argument(
+        "--settle-s", type=float, help="pause after filling L2/L3 before timing more (5 s)"
+    )
     args = parser.parse_args(argv)
     base = tiny_options() if args.tiny else Options()
     changes: dict[str, Any] = {"l2_dir": args.l2_dir}
@@ -1589,6 +1600,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
         changes["reps"] = args.reps
     if args.cold_budget_s is not None:
         changes["cold_budget_s"] = args.cold_budget_s
+    if args.settle_s is not None:
+        changes["settle_s"] = args.settle_s
     device = changes.get("device", base.device)
     changes["launch"] = args.launch or ("graphs" if device.startswith("cuda") else "eager")
     return dataclasses.replace(base, **changes), args

@@ -296,6 +296,14 @@ def test_graphs_are_the_default_on_cuda_and_refused_elsewhere() -> None:
         ttft.Options(launch="compiled")
 
 
+def test_the_pause_after_filling_l2_l3_is_an_option() -> None:
+    assert ttft.parse_args([])[0].settle_s == 5.0
+    assert ttft.parse_args(["--settle-s", "0.5"])[0].settle_s == 0.5
+    assert ttft.parse_args(["--tiny"])[0].settle_s == 0.0  # CPU runs time nothing that matters
+    with pytest.raises(ValueError, match="settle_s"):
+        ttft.Options(settle_s=-1.0)
+
+
 def test_break_even_interpolates_in_log_length() -> None:
     report = ttft.Report(options={}, kv_bytes_per_token=1)
     for tokens, recompute, cold in ((2048, 0.1, 0.2), (8192, 0.4, 0.2)):
