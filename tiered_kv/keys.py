@@ -213,8 +213,12 @@ def _chained_hashes(raw: bytes | memoryview, chunk_size: int, seed: bytes) -> li
 
 def chunk_keys(scope: KeyScope, token_ids: TokenIds, chunk_size: int) -> list[ChunkKey]:
     """One key per chunk of ``token_ids`` (``ceil(len / chunk_size)`` keys)."""
+    return _keys_of(scope, token_bytes(token_ids), chunk_size)
+
+
+def _keys_of(scope: KeyScope, raw: bytes | memoryview, chunk_size: int) -> list[ChunkKey]:
     seed = scope.chain_seed(chunk_size)
-    return [ChunkKey(scope, h) for h in chunk_hashes(token_ids, chunk_size, seed)]
+    return [ChunkKey(scope, h) for h in _chained_hashes(raw, chunk_size, seed)]
 
 
 class KeyMemo:
@@ -243,10 +247,7 @@ class KeyMemo:
                 self.hits += 1
                 entries.append(entries.pop(i))  # most recent last
                 return list(known_keys)
-        keys = tuple(
-            ChunkKey(scope, h)
-            for h in _chained_hashes(raw, chunk_size, scope.chain_seed(chunk_size))
-        )
+        keys = tuple(_keys_of(scope, raw, chunk_size))
         entries.append((scope, chunk_size, raw, keys))
         if len(entries) > self.size:
             del entries[0]

@@ -967,14 +967,13 @@ class _LoadPull:
         would leave the GPU waiting for the model's next launch (on an H100 at 2k tokens of
         Llama-3-8B's KV, a layer computes in 0.27 ms and a fill takes 0.1-0.25 ms of Python).
         A wait whose layer is not queued yet queues just that layer."""
+        load = self.call.load
         if layer is None:
             self.queue(self.last)
-        elif not self.waited:
-            self.waited = True
-            self.queue(layer)
-        elif self.call.load is not None and self.call.load._has_event[layer]:
+        elif self.waited and load is not None and load._has_event[layer]:
             self.queue(min(self.last, layer + self.ahead), fills=1)
         else:
+            self.waited = True
             self.queue(layer)
 
     def queue(self, target: int, fills: int | None = None) -> None:
