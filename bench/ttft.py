@@ -211,6 +211,10 @@ class Options:
     shape: ModelShape = LLAMA3_8B
     lengths: tuple[int, ...] = (2048, 8192, 32768)
     reps: int = 5
+    # A case's timed runs go on past ``reps`` until they add up to ``min_timed_s``, up to
+    # ``max_reps`` (`Bench.more_runs` says why).
+    min_timed_s: float = 1.0
+    max_reps: int = 21
     chunk_size: int = 256
     block_size: int = 16
     ceiling_bytes: int = GiB
@@ -234,6 +238,10 @@ class Options:
                 )
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if self.max_reps < self.reps:
+            raise ValueError(f"max_reps must be >= reps={self.reps}, got {self.max_reps}")
+        if not 0 <= self.min_timed_s <= 600:
+            raise ValueError(f"min_timed_s must be in [0, 600], got {self.min_timed_s}")
         if not 0 <= self.settle_s <= 600:
             raise ValueError(f"settle_s must be in [0, 600], got {self.settle_s}")
         if self.launch not in ("graphs", "eager"):
@@ -261,6 +269,7 @@ def tiny_options(**overrides: Any) -> Options:
         "shape": TINY,
         "lengths": (128, 512),
         "reps": 2,
+        "min_timed_s": 0.0,
         "chunk_size": 32,
         "ceiling_bytes": 64 << 20,
         "disk_probe_bytes": 64 << 20,
@@ -274,7 +283,7 @@ def tiny_options(**overrides: Any) -> Options:
 # -- results ------------------------------------------------------------------------------------
 @dataclasses.dataclass(slots=True)
 class Case:
-    """One measured configuration: median TTFT over ``reps`` (after one warm-up)."""
+    """One measured configuration: median TTFT of its timed runs (after one warm-up)."""
 
     tokens: int
     cached_pct: int
@@ -617,6 +626,20 @@ class Bench:
         # cached % 0 stands for the recompute of the whole prompt.
         self.reproducible: dict[tuple[int, int], bool] = {}
 
+    def more_runs(self, times: Sequence[float], reps: int | None = None) -> bool:
+        """Whether a case takes another timed run, given the seconds of those so far: ``reps``
+        runs when given (the cold-L2 cases, each a disk read), else at least the options'
+        ``reps``, then on until they add up to ``min_timed_s``, at most ``max_reps``. Short
+        cases get more runs: on the H100s here a run now and then stalls for 3-5 ms, in the
+        compute-only prefills (none of our code) as in the loads, and two such in five 10 ms
+        runs move the median; a 1.4 s prefill is not moved by them."""
+        opts = self.opts
+        if reps is not None:
+            return len(times) < reps
+        if len(times) < opts.reps:
+            return True
+        return len(times) < opts.max_reps and sum(times) < opts.min_timed_s
+
     def deterministic(self) -> contextlib.AbstractContextManager[None]:
         return deterministic(self.runner.device)
 
@@ -634,12 +657,13 @@ class Bench:
     async def timed_prefill(
         self, what: str, request: Request, prefix: int, reference: torch.Tensor
     ) -> list[float]:
-        """One warm-up and ``reps`` timed prefills on the default kernels, each checked against
-        the deterministic ``reference`` (`check_timed`)."""
+        """One warm-up and timed prefills on the default kernels (`more_runs`), each checked
+        against the deterministic ``reference`` (`check_timed`)."""
         times: list[float] = []
         outputs: list[torch.Tensor] = []
         await self.runner.prepare(request, prefix)
-        for i in range(self.opts.reps + 1):  # the first is a warm-up
+        i = 0
+        while i == 0 or self.more_runs(times):  # the first is a warm-up
             self.runner.sync()
             start = time.perf_counter()
             out = await self.runner.prefill(request, prefix)
@@ -648,6 +672,7 @@ class Bench:
             if i:
                 times.append(elapsed)
                 self.check_timed(f"{what} (timed run {i})", reference, out)
+            i += 1
         self.note_default_kernels(what, outputs)
         return times
 
@@ -754,7 +779,6 @@ class Bench:
 
     # .. phase 1: recompute, stores, resident compute ...........................................
     async def prefill_phase(self, n: int, requests: dict[int, Request], l1: TieredKVEngine) -> None:
-        reps = self.opts.reps
         stored = requests[100]
         reference, _ = await self.checked_prefill(stored, 0)
         again, _ = await self.checked_prefill(stored, 0)
@@ -763,7 +787,7 @@ class Bench:
         times = await self.timed_prefill(f"{n} tokens, recompute", stored, 0, reference)
         self.recompute_s[n] = median(times)
         self.add(Case(n, 0, "recompute", "-", median(times), times, recompute_s=median(times)))
-        log(f"[{n}] recompute prefill: {1e3 * median(times):.1f} ms (median of {reps})")
+        log(f"[{n}] recompute prefill: {1e3 * median(times):.1f} ms (median of {len(times)})")
         await self.store_slowdown(n, stored, l1, reference)
         # The paged cache holds the stored prompt's KV now: prefill the rest over it.
         for pct in (100, 50):  # 50% writes its own second half: after 100%
@@ -843,17 +867,20 @@ class Bench:
     async def store_slowdown(
         self, n: int, request: Request, engine: TieredKVEngine, reference: torch.Tensor
     ) -> None:
-        """Alternating prefills without and with a layerwise store; the last store stays, so the
-        L1 loads read what the layerwise store wrote. The first pair (a warm-up, untimed) runs
-        on deterministic kernels and is checked bit for bit; the timed pairs are checked
-        against ``reference`` (`check_timed`)."""
+        """Alternating prefills without and with a layerwise store (pairs as `more_runs`); the
+        last store stays, so the L1 loads read what the layerwise store wrote. The first pair
+        (a warm-up, untimed) runs on deterministic kernels and is checked bit for bit; the
+        timed pairs are checked against ``reference`` (`check_timed`)."""
         ratios: list[float] = []
         plain: list[float] = []
         saving: list[float] = []
         visible: list[float] = []
-        reps = self.opts.reps
+        pairs: list[float] = []  # seconds of each timed pair
         await self.runner.prepare(request, 0)
-        for i in range(reps + 1):
+        i = 0
+        while i == 0 or self.more_runs(pairs):
+            if i:
+                await engine.evict_l1()  # this store must copy again
             checked = i == 0
             with self.deterministic() if checked else contextlib.nullcontext():
                 self.runner.sync()
@@ -894,10 +921,10 @@ class Bench:
                 self.check_timed(
                     f"{n} tokens: prefill with layerwise store (timed run {i})", reference, logits
                 )
-            if i < reps:
-                await engine.evict_l1()  # the next store must copy again
-            if i == 0:
+            i += 1
+            if checked:
                 continue  # warm-up
+            pairs.append(t_plain + t_saving)
             plain.append(t_plain)
             saving.append(t_saving)
             visible.append(t_visible)
@@ -930,7 +957,6 @@ class Bench:
         fractions: Sequence[int] = FRACTIONS,
         reps: int | None = None,
     ) -> None:
-        reps = self.opts.reps if reps is None else reps
         for pct in fractions:
             for mode in modes if pct else ("-",):
                 await self.load_case(engine, tier, mode, n, requests[pct], pct, reset, reps)
@@ -944,17 +970,18 @@ class Bench:
         request: Request,
         pct: int,
         reset: Callable[[], Awaitable[None]] | None,
-        reps: int,
+        reps: int | None,
     ) -> None:
-        """A correctness pass (deterministic kernels, untimed; also the warm-up), then ``reps``
-        timed runs on the default kernels; ``reset`` runs before each."""
+        """A correctness pass (deterministic kernels, untimed; also the warm-up), then timed
+        runs on the default kernels (`more_runs`); ``reset`` runs before each."""
         times: list[float] = []
         collected: list[float] = []  # collections inside the timed runs
         loaded = prefix = 0
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
         reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
         await self.runner.prepare(request, request.compute_from)
-        for i in range(reps + 1):
+        i = 0
+        while i == 0 or self.more_runs(times, reps):
             if reset is not None:
                 await reset()
             self.paged.poison(request.block_ids)  # what no load writes reads as NaN
@@ -993,6 +1020,7 @@ class Bench:
             else:
                 self.check_timed(f"{name} (timed run {i})", reference, logits)
                 times.append(elapsed)
+            i += 1
         ttft = median(times)
         load_bound = loaded * self.opts.shape.kv_bytes_per_token / self.h2d if loaded else None
         compute = self.compute_s.get((n, pct)) if pct else self.recompute_s[n]
@@ -1574,7 +1602,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
         help="timed prefills from CUDA graphs per layer (default on CUDA) or eager transformers",
     )
     parser.add_argument("--lengths", help="prompt lengths, comma-separated (e.g. 2048,8192)")
-    parser.add_argument("--reps", type=int, help="timed runs per case (after one warm-up)")
+    parser.add_argument("--reps", type=int, help="timed runs per case at least (5)")
+    parser.add_argument(
+        "--min-timed-s",
+        type=float,
+        help="a case's timed runs go on until they add up to this (1 s; at most 21 runs)",
+    )
     parser.add_argument("--tiers", default="L1,L2,L3", help="which of L1, L2, L3 to load from")
     parser.add_argument("--l2-dir", help="parent of the L2 directory (default: the temp dir)")
     parser.add_argument(
@@ -1598,6 +1631,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
         changes["lengths"] = tuple(int(x) for x in args.lengths.split(","))
     if args.reps:
         changes["reps"] = args.reps
+        changes["max_reps"] = max(base.max_reps, args.reps)
+    if args.min_timed_s is not None:
+        changes["min_timed_s"] = args.min_timed_s
     if args.cold_budget_s is not None:
         changes["cold_budget_s"] = args.cold_budget_s
     if args.settle_s is not None:

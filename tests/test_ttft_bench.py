@@ -304,6 +304,31 @@ def test_the_pause_after_filling_l2_l3_is_an_option() -> None:
         ttft.Options(settle_s=-1.0)
 
 
+def test_short_cases_take_more_timed_runs_up_to_a_cap() -> None:
+    report = ttft.Report(options={}, kv_bytes_per_token=1)
+    opts = ttft.Options(reps=5, min_timed_s=1.0, max_reps=21)
+    bench = ttft.Bench(opts, report, _NoModel())  # type: ignore[arg-type]
+
+    def runs(seconds: float, reps: int | None = None) -> int:
+        times: list[float] = []
+        while bench.more_runs(times, reps):
+            times.append(seconds)
+        return len(times)
+
+    assert runs(0.011) == 21  # 2k layerwise: capped
+    assert runs(0.08) == 13  # 32k L1: until 1 s of runs
+    assert runs(0.35) == 5  # at least reps
+    assert runs(1.4) == 5
+    assert runs(0.011, reps=1) == 1  # a cold-L2 case: exactly what its budget allows
+    assert ttft.parse_args(["--reps", "30"])[0].max_reps == 30
+    assert ttft.parse_args(["--min-timed-s", "0"])[0].min_timed_s == 0.0
+    assert ttft.parse_args(["--tiny"])[0].min_timed_s == 0.0
+    with pytest.raises(ValueError, match="max_reps"):
+        ttft.Options(reps=5, max_reps=4)
+    with pytest.raises(ValueError, match="min_timed_s"):
+        ttft.Options(min_timed_s=-1.0)
+
+
 def test_break_even_interpolates_in_log_length() -> None:
     report = ttft.Report(options={}, kv_bytes_per_token=1)
     for tokens, recompute, cold in ((2048, 0.1, 0.2), (8192, 0.4, 0.2)):
