@@ -32,11 +32,7 @@ Bounds, measured in the same run: the pinned host-to-device copy ceiling (so a l
 ``KV bytes / ceiling``), and the prefill of the uncached tokens with the prefix already in the
 paged cache ("compute"). Whole loads are bounded by ``load + compute``, layerwise ones by
 ``max(load, compute)``, the physical speedup over recomputing by ``recompute / max(load,
-compute)``. An L1 load of a cached prefix is paired with a compute run right after each of its
-timed runs (over the prefix it delivered), and its ratio to the bound, like its share of the
-physical speedup, is the median over those pairs (`Case.ratio`, `Case.share`): these machines
-stall now and then for seconds, slowing the loads and the compute alike. Short cases take
-more timed runs (`Bench.more_runs`).
+compute)``.
 
 Correctness, in the same run. Every case's first run is a correctness pass, untimed, with
 torch's deterministic algorithms (`deterministic`: ``use_deterministic_algorithms``, cuDNN
@@ -300,36 +296,10 @@ class Case:
     load_bound_s: float | None = None
     bound_s: float | None = None
     recompute_s: float | None = None
-    # L1 loads of a cached prefix: a prefill over the prefix it just delivered, timed after
-    # each timed load ("compute beside it"). The bound and the ratios pair each load with it.
-    compute_runs_s: list[float] = dataclasses.field(default_factory=list)
-
-    def _bounds(self, physical: bool) -> list[float]:
-        """Each run's bound from the compute run beside it: ``max(load, compute)`` (layerwise,
-        or ``physical``: what no delivery can beat) or ``load + compute`` (whole)."""
-        load = self.load_bound_s or 0.0
-        if physical or self.mode == "layerwise":
-            return [max(load, c) for c in self.compute_runs_s]
-        return [load + c for c in self.compute_runs_s]
 
     @property
     def ratio(self) -> float | None:
-        """TTFT over its bound: with compute runs beside the loads, the median of each run's
-        over its own bound, so that a stall of the machine that slows a load and the compute
-        beside it alike (seen on these H100s: both slow by 3-5 ms for seconds at a time) does
-        not move the ratio; else of the medians."""
-        if self.compute_runs_s:
-            return median([t / b for t, b in zip(self.runs_s, self._bounds(False), strict=True)])
         return None if self.bound_s is None else self.ttft_s / self.bound_s
-
-    @property
-    def share(self) -> float | None:
-        """The share of the physical speedup over recomputing that this case reaches:
-        ``(recompute / TTFT) / (recompute / max(load, compute))``, paired run by run as
-        ``ratio`` (the recompute cancels); None without compute runs beside the loads."""
-        if not self.compute_runs_s:
-            return None
-        return median([b / t for t, b in zip(self.runs_s, self._bounds(True), strict=True)])
 
     @property
     def speedup(self) -> float | None:
@@ -337,7 +307,7 @@ class Case:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(ratio=self.ratio, speedup=self.speedup, share=self.share)
+        out.update(ratio=self.ratio, speedup=self.speedup)
         return out
 
 
@@ -1003,12 +973,8 @@ class Bench:
         reps: int | None,
     ) -> None:
         """A correctness pass (deterministic kernels, untimed; also the warm-up), then timed
-        runs on the default kernels (`more_runs`); ``reset`` runs before each. An L1 load of a
-        cached prefix is followed, after each timed run, by a timed prefill over the prefix it
-        delivered (`Case.compute_runs_s`): its bound is measured beside it."""
+        runs on the default kernels (`more_runs`); ``reset`` runs before each."""
         times: list[float] = []
-        beside: list[float] = []  # compute runs beside the timed loads
-        pair = tier == "L1" and pct > 0
         collected: list[float] = []  # collections inside the timed runs
         loaded = prefix = 0
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
@@ -1054,18 +1020,10 @@ class Bench:
             else:
                 self.check_timed(f"{name} (timed run {i})", reference, logits)
                 times.append(elapsed)
-                if pair:
-                    self.runner.sync()
-                    start = time.perf_counter()
-                    alone = await self.runner.prefill(request, prefix)
-                    beside.append(time.perf_counter() - start)
-                    self.check_timed(f"{name}: compute beside it (timed run {i})", reference, alone)
             i += 1
         ttft = median(times)
         load_bound = loaded * self.opts.shape.kv_bytes_per_token / self.h2d if loaded else None
-        compute = median(beside) if beside else self.compute_s.get((n, pct))
-        if not pct:
-            compute = self.recompute_s[n]
+        compute = self.compute_s.get((n, pct)) if pct else self.recompute_s[n]
         bound: float | None
         if load_bound is None:
             bound = self.recompute_s[n]
@@ -1085,12 +1043,9 @@ class Bench:
             load_bound_s=load_bound,
             bound_s=bound,
             recompute_s=self.recompute_s[n],
-            compute_runs_s=beside,
         )
         self.add(case)
         ratio = f", {case.ratio:.2f}x its bound" if case.ratio is not None else ""
-        if beside:
-            ratio += f" (compute beside it {1e3 * median(beside):.1f} ms)"
         log(
             f"[{n}] {tier} {mode} {pct}% cached: TTFT {1e3 * ttft:.1f} ms{ratio}, speedup "
             f"{case.speedup:.2f}x over recomputing ({len(times)} runs)"
@@ -1391,17 +1346,16 @@ def summary_lines(report: Report) -> list[str]:
         )
     for n in lengths:
         best = [report.find(n, 100, "L1", m) for m in ("whole", "layerwise")]
-        cases = [c for c in best if c is not None and c.share is not None]
-        if cases:
+        cases = [c for c in best if c is not None and c.speedup is not None]
+        compute = report.find(n, 100, "compute", "-")
+        if cases and compute and cases[0].load_bound_s:
             case = min(cases, key=lambda c: c.ttft_s)
-            share = case.share or 0.0
-            compute = median(case.compute_runs_s)
-            physical = (case.recompute_s or 0.0) / max(case.load_bound_s or 0.0, compute)
+            physical = (case.recompute_s or 0.0) / max(case.load_bound_s or 0.0, compute.ttft_s)
+            share = (case.speedup or 0.0) / physical
             # Three decimals and a verdict: 0.846 must not print as a met 0.85.
             lines.append(
-                f"target speedup over recomputing from L1, {n} tokens: {case.speedup:.1f}x "
-                f"({case.mode}) of a physical {physical:.1f}x (recompute / max(load, compute "
-                f"beside it)); share, run by run: {share:.3f} "
+                f"target speedup over recomputing from L1, {n} tokens: {case.speedup:.1f}x of a "
+                f"physical {physical:.1f}x (recompute / max(load, compute)) = {share:.3f} "
                 f"(target >= 0.85: {'met' if share >= 0.85 else 'MISSED'})"
             )
     for tier, text in break_even(report).items():
