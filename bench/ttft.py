@@ -630,9 +630,9 @@ class Bench:
         """Whether a case takes another timed run, given the seconds of those so far: ``reps``
         runs when given (the cold-L2 cases, each a disk read), else at least the options'
         ``reps``, then on until they add up to ``min_timed_s``, at most ``max_reps``. Short
-        cases get more runs: on the H100s here a run now and then stalls for 3-5 ms, in the
-        compute-only prefills (none of our code) as in the loads, and two such in five 10 ms
-        runs move the median; a 1.4 s prefill is not moved by them."""
+        cases get more runs: two runs slowed by a few ms (a collection, another process) in
+        five of 10 ms move the median; in 21 they do not, and a 1.4 s prefill is not moved by
+        them."""
         opts = self.opts
         if reps is not None:
             return len(times) < reps
@@ -835,8 +835,8 @@ class Bench:
         timed in the seconds after it (8k layerwise L1 loads on an H100: medians of 22.0 ms
         with no L3 store before them, 22.8-23.6 ms with one, single runs up to 69 ms; 22.4 ms
         with a 2 s pause after it; the server's and this process's CPU time and the kernel's
-        page-migration counters did not move, so the cause is not known). A real L3 is another
-        machine."""
+        page-migration counters did not move, so the cause is not known; measured before the
+        bench ran on one intra-op thread, `run_bench`). A real L3 is another machine."""
         got = await l1.retrieve(stored.host_ids, stored.block_ids)
         if got != n:
             raise RuntimeError(f"[{n}] L1 delivered {got} of {n} tokens for the L2/L3 store")
@@ -1062,6 +1062,17 @@ class Bench:
 
 
 # -- the run ------------------------------------------------------------------------------------
+def host_threads_for(device: torch.device) -> None:
+    """With the model on a GPU, one intra-op thread for torch's host ops, as vLLM's GPU workers
+    run (OMP_NUM_THREADS=1). The logit checks between timed runs are torch ops on the host;
+    with a pool of every core, its threads spun on after each check and took the cores from
+    the next run's model thread and the engine (an H100 machine, 2k tokens: 18 of 30
+    compute-only prefills and 25 of 30 layerwise loads 2-5 ms slower right after a check,
+    none with one thread). A model on the CPU keeps every core."""
+    if device.type == "cuda":
+        torch.set_num_threads(1)
+
+
 async def run_bench(opts: Options) -> Report:
     started = time.perf_counter()
     device = torch.device(opts.device)
@@ -1071,10 +1082,12 @@ async def run_bench(opts: Options) -> Report:
         # Read once, when cuBLAS first runs: set before any CUDA work (the timed runs use it
         # too; deterministic passes refuse any other value).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
+    host_threads_for(device)
     import transformers
 
     options: dict[str, Any] = dataclasses.asdict(opts)
     options["model"] = "Llama-3-8B-shaped" if opts.shape == LLAMA3_8B else "tiny Llama"
+    options["intra_op_threads"] = torch.get_num_threads()
     options["versions"] = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,

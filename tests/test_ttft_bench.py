@@ -304,6 +304,18 @@ def test_the_pause_after_filling_l2_l3_is_an_option() -> None:
         ttft.Options(settle_s=-1.0)
 
 
+def test_a_gpu_run_keeps_torch_host_ops_on_one_thread() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ttft.host_threads_for(torch.device("cpu"))  # the model computes on the host's cores
+        assert torch.get_num_threads() == 2
+        ttft.host_threads_for(torch.device("cuda"))  # no CUDA call: a device name alone
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_short_cases_take_more_timed_runs_up_to_a_cap() -> None:
     report = ttft.Report(options={}, kv_bytes_per_token=1)
     opts = ttft.Options(reps=5, min_timed_s=1.0, max_reps=21)
