@@ -640,6 +640,15 @@ class Bench:
             return True
         return len(times) < opts.max_reps and sum(times) < opts.min_timed_s
 
+    def run_indexes(self, times: Sequence[float], reps: int | None = None) -> Iterator[int]:
+        """0 (the untimed first run), then 1, 2, ... while `more_runs` of ``times``, which the
+        loop's body appends each timed run's seconds to."""
+        yield 0
+        for i in itertools.count(1):
+            if not self.more_runs(times, reps):
+                return
+            yield i
+
     def deterministic(self) -> contextlib.AbstractContextManager[None]:
         return deterministic(self.runner.device)
 
@@ -662,8 +671,7 @@ class Bench:
         times: list[float] = []
         outputs: list[torch.Tensor] = []
         await self.runner.prepare(request, prefix)
-        i = 0
-        while i == 0 or self.more_runs(times):  # the first is a warm-up
+        for i in self.run_indexes(times):  # the first is a warm-up
             self.runner.sync()
             start = time.perf_counter()
             out = await self.runner.prefill(request, prefix)
@@ -672,7 +680,6 @@ class Bench:
             if i:
                 times.append(elapsed)
                 self.check_timed(f"{what} (timed run {i})", reference, out)
-            i += 1
         self.note_default_kernels(what, outputs)
         return times
 
@@ -877,8 +884,7 @@ class Bench:
         visible: list[float] = []
         pairs: list[float] = []  # seconds of each timed pair
         await self.runner.prepare(request, 0)
-        i = 0
-        while i == 0 or self.more_runs(pairs):
+        for i in self.run_indexes(pairs):
             if i:
                 await engine.evict_l1()  # this store must copy again
             checked = i == 0
@@ -921,7 +927,6 @@ class Bench:
                 self.check_timed(
                     f"{n} tokens: prefill with layerwise store (timed run {i})", reference, logits
                 )
-            i += 1
             if checked:
                 continue  # warm-up
             pairs.append(t_plain + t_saving)
@@ -980,8 +985,7 @@ class Bench:
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
         reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
         await self.runner.prepare(request, request.compute_from)
-        i = 0
-        while i == 0 or self.more_runs(times, reps):
+        for i in self.run_indexes(times, reps):
             if reset is not None:
                 await reset()
             self.paged.poison(request.block_ids)  # what no load writes reads as NaN
@@ -1020,7 +1024,6 @@ class Bench:
             else:
                 self.check_timed(f"{name} (timed run {i})", reference, logits)
                 times.append(elapsed)
-            i += 1
         ttft = median(times)
         load_bound = loaded * self.opts.shape.kv_bytes_per_token / self.h2d if loaded else None
         compute = self.compute_s.get((n, pct)) if pct else self.recompute_s[n]

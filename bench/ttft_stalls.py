@@ -50,28 +50,31 @@ class StallBench(tt.Bench):
         try:
             for threads in (os.cpu_count() or 1, 1):
                 torch.set_num_threads(threads)
-                for engine_or_none in (None, engine):
-                    what = "compute-only" if engine_or_none is None else "layerwise"
-                    times: dict[str, list[float]] = {"plain": [], "check": []}
-                    for i in range(self.reps + 1):  # the first of each is a warm-up
-                        for variant, runs in times.items():
-                            if variant == "check":
-                                tt.compare(reference, other)
-                                bool(torch.isfinite(other).all())
-                            elapsed = await self.one(request, engine_or_none)
-                            if i:
-                                runs.append(elapsed)
-                    fastest = min(min(runs) for runs in times.values())
-                    for variant, runs in times.items():
-                        stalled = sum(t > STALLED * fastest for t in runs)
-                        print(
-                            f"[{n}] {threads:3d} threads, {what:12s} {variant:5s}: median "
-                            f"{1e3 * statistics.median(runs):.2f} ms, fastest {1e3 * min(runs):.2f}"
-                            f" ms; {stalled}/{len(runs)} over {STALLED}x the fastest",
-                            flush=True,
-                        )
+                for layerwise in (None, engine):
+                    times = await self.variants(request, layerwise, reference, other)
+                    report(n, threads, "compute-only" if layerwise is None else "layerwise", times)
         finally:
             torch.set_num_threads(threads_before)
+
+    async def variants(
+        self,
+        request: tt.Request,
+        engine: TieredKVEngine | None,
+        reference: torch.Tensor,
+        other: torch.Tensor,
+    ) -> dict[str, list[float]]:
+        """`one` run ``reps`` times plain and right after a logit check, interleaved (after a
+        warm-up of each); the seconds of each variant's runs."""
+        times: dict[str, list[float]] = {"plain": [], "check": []}
+        for i in range(self.reps + 1):
+            for variant, runs in times.items():
+                if variant == "check":
+                    tt.compare(reference, other)
+                    bool(torch.isfinite(other).all())
+                elapsed = await self.one(request, engine)
+                if i:
+                    runs.append(elapsed)
+        return times
 
     async def one(self, request: tt.Request, engine: TieredKVEngine | None) -> float:
         """One fully cached run (a layerwise load from L1 with ``engine``); its seconds."""
@@ -88,6 +91,18 @@ class StallBench(tt.Bench):
         if load is not None:
             await load.wait()
         return elapsed
+
+
+def report(n: int, threads: int, what: str, times: dict[str, list[float]]) -> None:
+    fastest = min(min(runs) for runs in times.values())
+    for variant, runs in times.items():
+        stalled = sum(t > STALLED * fastest for t in runs)
+        print(
+            f"[{n}] {threads:3d} threads, {what:12s} {variant:5s}: median "
+            f"{1e3 * statistics.median(runs):.2f} ms, fastest {1e3 * min(runs):.2f} ms; "
+            f"{stalled}/{len(runs)} over {STALLED}x the fastest",
+            flush=True,
+        )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[tt.Options, int]:

@@ -287,10 +287,11 @@ class Retriever:
                 if pending is not None:
                     await pending
         finally:
-            if handle is not None and walk.stop_reason == "failed":
-                handle.cancel()  # loading past a miss is wasted work
-            elif handle is not None:
-                handle.release_unused()  # late loads finish into L1 for the next request
+            if handle is not None:
+                if walk.stop_reason == "failed":
+                    handle.cancel()  # loading past a miss is wasted work
+                else:
+                    handle.release_unused()  # late loads finish into L1 for the next request
         return walk
 
     def _finish(self, request: RetrieveRequest, walk: _Walk, delivered: int) -> RetrieveResult:
