@@ -154,12 +154,15 @@ async def test_layerwise_scatter_of_interleaved_groups(
 
 
 @contextlib.asynccontextmanager
-async def _one_layer_per_fill(mover: CudaMover, seed: int) -> AsyncIterator[Any]:
-    """Four layers of three stored chunks (blocks 0-5) and the mover, with staging slots of one
-    layer's worth (3 chunks x 2 KiB: one fill per layer); yields (caches, layout, objs, src,
-    dst, reference) with ``dst`` poisoned; checks that nothing leaked."""
+async def _one_layer_per_fill(
+    mover: CudaMover, seed: int, num_layers: int = 4
+) -> AsyncIterator[Any]:
+    """``num_layers`` layers of three stored chunks (blocks 0-5) and the mover, whose staging
+    slots the test sizes (6 KiB: one layer's worth, 3 chunks x 2 KiB, one fill per layer);
+    yields (caches, layout, objs, src, dst, reference) with ``dst`` poisoned; checks that
+    nothing leaked."""
     caches = make_caches(
-        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=16, seed=seed, device="cuda"
+        "vllm_nhd", torch.bfloat16, num_layers=num_layers, num_blocks=16, seed=seed, device="cuda"
     )
     layout = _layout(caches.entries, caches.hints)
     arena = HostArena(16 << 20, pin=True)
@@ -302,9 +305,9 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
         loop_thread = threading.get_ident()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad)
-        # Returned with layers 0 and 1 queued (by the loop), not the rest.
-        assert load._has_event == [True, True, False, False]
-        assert mover.threads_of(1) == {loop_thread}
+        # Returned with layers 0 to 2 queued (by the loop: MIN_LEAD_LAYERS), not the rest.
+        assert load._has_event == [True, True, True, False]
+        assert mover.threads_of(2) == {loop_thread}
         stream = torch.cuda.Stream()
         queued: list[list[bool]] = []
 
@@ -316,20 +319,65 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
 
         model = await asyncio.to_thread(model_thread)
         assert model != loop_thread
-        # The first wait queues nothing beyond its layer (the model has not started yet); each
-        # next one, its layer queued already, adds one fill of its lead: layer 2, then the first
-        # of layer 3's three (the last slot's worth ramps down: 2 KiB fills); the wait of layer
-        # 3 queues what that layer still lacks.
+        # The first wait queues nothing beyond its layer (the model has not started yet); the
+        # next two, their layer queued already but fewer than two layers beyond it, add one
+        # fill each: the first two of layer 3's three (the last slot's worth ramps down: 2 KiB
+        # fills); the wait of layer 3 queues what that layer still lacks.
         assert queued == [
-            [True, True, False, False],
+            [True, True, True, False],
             [True, True, True, False],
             [True, True, True, False],
             [True, True, True, True],
         ]
-        assert mover.threads_of(2) == mover.threads_of(3) == {model}  # the waiter's, not the loop's
+        assert mover.threads_of(3) == {model}  # the waiter's, not the loop's
+        assert len([1 for thread, layers in mover.launches if 3 in layers]) == 3
         stream.synchronize()
         await load.wait()
         assert load.done()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        assert caches.bytes_equal(expected)
+
+
+async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_cover_it() -> None:
+    # 12 KiB slots: two layers a fill (after the first two), a lead of four layers. Fills are
+    # 0.1-0.3 ms of Python; queued while the GPU runs the last layer launched, they idle it.
+    mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=12 << 10))
+    async with _one_layer_per_fill(mover, 11, num_layers=8) as (
+        caches,
+        layout,
+        objs,
+        src,
+        dst,
+        reference,
+    ):
+        expected = caches.snapshot()
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        assert isinstance(load, CudaLayerLoad)
+        returned = list(load._has_event)
+        assert returned == [True] * 4 + [False] * 4  # fills of layers 0, 1, then 2-3
+        stream = torch.cuda.Stream()
+        queued: list[list[bool]] = []
+
+        def model_thread() -> None:
+            for layer in range(2):  # an idle GPU, two layers queued beyond layer 1
+                stream.synchronize()  # the last wait's mark reached
+                load.wait_layer(layer, stream)
+                queued.append(list(load._has_event))
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # "the model's layer 1", still running ...
+            load.wait_layer(2, stream)  # ... beyond a short lead: a fill regardless
+            queued.append(list(load._has_event))
+            load.wait_layer(3, stream)  # two layers beyond, but layer 2's mark not reached
+            queued.append(list(load._has_event))
+            for layer in range(4, 8):
+                load.wait_layer(layer, stream)
+
+        await asyncio.to_thread(model_thread)
+        assert queued[0] == queued[1] == returned  # the GPU idle and the lead long: no fill
+        assert queued[2] == [True] * 6 + [False] * 2
+        assert queued[3][6], "a wait with the model's work still ahead queued nothing"
+        stream.synchronize()
+        await load.wait()
         expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
         assert caches.bytes_equal(expected)
 

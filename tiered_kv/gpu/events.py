@@ -11,8 +11,8 @@ from __future__ import annotations
 import array
 import asyncio
 import ctypes
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -62,6 +62,16 @@ class CallBuffers:
         return self.device_ids.data_ptr()
 
 
+class LayerPull(Protocol):
+    """What a staging layerwise load's waiters call (`CudaMover`'s `_LoadPull`): ``pull(i)``
+    queues what layer ``i`` needs (None: everything); ``mark(stream)`` notes where the waiting
+    stream is, once it waits for a layer."""
+
+    def __call__(self, layer: int | None) -> None: ...
+
+    def mark(self, stream: Any) -> None: ...
+
+
 class CudaLayerLoad(LayerLoad):
     """A layerwise scatter on the load streams. ``events[i]`` is recorded once the last copy of
     model layer ``i`` is queued; ``result`` resolves when the waiter has seen the whole call
@@ -96,7 +106,7 @@ class CudaLayerLoad(LayerLoad):
         # Staging loads are enqueued by their waiters: ``pull(i)`` queues what layer i lacks
         # (or one fill of a lead beyond it) on the calling thread, ``pull(None)`` all of them;
         # ``pulled`` resolves on the loop once the whole load is queued and handed to the waiter.
-        self.pull: Callable[[int | None], None] | None = None
+        self.pull: LayerPull | None = None
         self.pulled: asyncio.Future[None] | None = None
 
     def record_layer(self, layer: int, stream: torch.cuda.Stream) -> None:
@@ -119,6 +129,8 @@ class CudaLayerLoad(LayerLoad):
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.events[layer])
+        if self.pull is not None:
+            self.pull.mark(stream)
 
     def done(self) -> bool:
         if self.task is not None and not self.task.done():
