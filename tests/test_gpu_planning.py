@@ -79,6 +79,8 @@ def test_auto_path_uses_dma_only_for_long_contiguous_runs() -> None:
     assert choose_path(hnd, "mapped") == "mapped"
     with pytest.raises(ValueError, match="path"):
         MoverOptions(path="fastest")
+    with pytest.raises(ValueError, match="mapped_front_layers"):
+        MoverOptions(mapped_front_layers=-1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -23,6 +23,7 @@ import torch
 
 from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine, TieredKVError
+from tiered_kv.gpu import mover as mover_module
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.events import CudaLayerLoad
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
@@ -230,7 +231,9 @@ class DelayedLayerMover(HookedMover):
 
 
 async def test_a_delayed_layer_is_waited_for_and_earlier_layers_are_not_held_back() -> None:
-    mover = DelayedLayerMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+    mover = DelayedLayerMover(
+        MoverOptions(path="staging", staging_slot_bytes=6 << 10, mapped_front_layers=0)
+    )
     async with _one_layer_per_fill(mover, 9) as (caches, layout, objs, src, dst, reference):
         src_index = torch.tensor(src, device="cuda")
         dst_index = torch.tensor(dst, device="cuda")
@@ -292,7 +295,10 @@ class RecordingMover(HookedMover):
 
 def _one_fill_per_layer_mover(**kw: Any) -> RecordingMover:
     # 6 KiB slots: one fill per layer; the lead (two slots) is two layers ahead of a wait.
-    mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+    # Every layer staged (no mapped front): what these tests watch is the pull.
+    mover = RecordingMover(
+        MoverOptions(path="staging", staging_slot_bytes=6 << 10, mapped_front_layers=0)
+    )
     for name, value in kw.items():
         setattr(mover, name, value)
     return mover
@@ -341,7 +347,9 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
 async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_cover_it() -> None:
     # 12 KiB slots: two layers a fill (after the first two), a lead of four layers. Fills are
     # 0.1-0.3 ms of Python; queued while the GPU runs the last layer launched, they idle it.
-    mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=12 << 10))
+    mover = RecordingMover(
+        MoverOptions(path="staging", staging_slot_bytes=12 << 10, mapped_front_layers=0)
+    )
     async with _one_layer_per_fill(mover, 11, num_layers=8) as (
         caches,
         layout,
@@ -378,6 +386,51 @@ async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_co
         assert queued[3][6], "a wait with the model's work still ahead queued nothing"
         stream.synchronize()
         await load.wait()
+        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+        assert caches.bytes_equal(expected)
+
+
+@pytest.mark.parametrize("small", [True, False])
+async def test_a_small_loads_first_layers_are_mapped_launches_queued_before_it_returns(
+    monkeypatch: pytest.MonkeyPatch, small: bool
+) -> None:
+    # Layers of 6 KiB; the front takes layers up to MAPPED_FRONT_LAYER_BYTES each.
+    if not small:
+        monkeypatch.setattr(mover_module, "MAPPED_FRONT_LAYER_BYTES", 4 << 10)
+    mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
+    async with _one_layer_per_fill(mover, 13, num_layers=8) as (
+        caches,
+        layout,
+        objs,
+        src,
+        dst,
+        reference,
+    ):
+        expected = caches.snapshot()
+        launches = mover.stats()["kernel_launches"]
+        loop_thread = threading.get_ident()
+        load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
+        assert isinstance(load, CudaLayerLoad)
+        front = 4 if small else 0
+        # Queued before returning: the front's layers, one mapped launch each and no staging
+        # fill; without a front, staging fills through layer MIN_LEAD_LAYERS (by the loop).
+        assert load._has_event == [True] * max(front, 3) + [False] * (8 - max(front, 3))
+        staged_early = [layer for layer in range(8) if mover.threads_of(layer)]
+        assert staged_early == ([] if small else [0, 1, 2])
+        assert mover.stats()["kernel_launches"] - launches == (4 if small else 3)
+        stream = torch.cuda.Stream()
+
+        def model_thread() -> int:
+            for layer in range(8):
+                load.wait_layer(layer, stream)
+            return threading.get_ident()
+
+        model = await asyncio.to_thread(model_thread)
+        assert mover.threads_of(7) == {model}  # the rest staged by the pull, as ever
+        assert not any(mover.threads_of(layer) & {loop_thread} for layer in range(3, 8))
+        stream.synchronize()
+        await load.wait()
+        assert load.done()
         expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
         assert caches.bytes_equal(expected)
 
