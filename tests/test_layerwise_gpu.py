@@ -182,6 +182,18 @@ async def _one_layer_per_fill(
     assert leaked == 0
 
 
+async def _landed_whole(
+    load: Any, caches: Any, expected: Any, reference: Any, src: list[int], dst: list[int]
+) -> None:
+    """Once every copy of ``load`` has landed (the device synchronized after its completion):
+    the blocks ``dst`` hold what ``src`` held, bit for bit, and nothing else changed."""
+    await load.wait()
+    assert load.done()
+    torch.cuda.synchronize()
+    expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
+    assert caches.bytes_equal(expected)
+
+
 class HookedMover(CudaMover):
     """Calls ``before_launch`` on the loop's thread before each copy kernel is enqueued."""
 
@@ -337,11 +349,7 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
         ]
         assert mover.threads_of(3) == {model}  # the waiter's, not the loop's
         assert len([1 for thread, layers in mover.launches if 3 in layers]) == 3
-        stream.synchronize()
-        await load.wait()
-        assert load.done()
-        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
-        assert caches.bytes_equal(expected)
+        await _landed_whole(load, caches, expected, reference, src, dst)
 
 
 async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_cover_it() -> None:
@@ -350,14 +358,8 @@ async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_co
     mover = RecordingMover(
         MoverOptions(path="staging", staging_slot_bytes=12 << 10, mapped_front_layers=0)
     )
-    async with _one_layer_per_fill(mover, 11, num_layers=8) as (
-        caches,
-        layout,
-        objs,
-        src,
-        dst,
-        reference,
-    ):
+    async with _one_layer_per_fill(mover, 11, num_layers=8) as parts:
+        caches, layout, objs, src, dst, reference = parts
         expected = caches.snapshot()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad)
@@ -384,10 +386,7 @@ async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_co
         assert queued[0] == queued[1] == returned  # the GPU idle and the lead long: no fill
         assert queued[2] == [True] * 6 + [False] * 2
         assert queued[3][6], "a wait with the model's work still ahead queued nothing"
-        stream.synchronize()
-        await load.wait()
-        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
-        assert caches.bytes_equal(expected)
+        await _landed_whole(load, caches, expected, reference, src, dst)
 
 
 @pytest.mark.parametrize("small", [True, False])
@@ -398,14 +397,8 @@ async def test_a_small_loads_first_layers_are_mapped_launches_queued_before_it_r
     if not small:
         monkeypatch.setattr(mover_module, "MAPPED_FRONT_LAYER_BYTES", 4 << 10)
     mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
-    async with _one_layer_per_fill(mover, 13, num_layers=8) as (
-        caches,
-        layout,
-        objs,
-        src,
-        dst,
-        reference,
-    ):
+    async with _one_layer_per_fill(mover, 13, num_layers=8) as parts:
+        caches, layout, objs, src, dst, reference = parts
         expected = caches.snapshot()
         launches = mover.stats()["kernel_launches"]
         loop_thread = threading.get_ident()
@@ -428,11 +421,7 @@ async def test_a_small_loads_first_layers_are_mapped_launches_queued_before_it_r
         model = await asyncio.to_thread(model_thread)
         assert mover.threads_of(7) == {model}  # the rest staged by the pull, as ever
         assert not any(mover.threads_of(layer) & {loop_thread} for layer in range(3, 8))
-        stream.synchronize()
-        await load.wait()
-        assert load.done()
-        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
-        assert caches.bytes_equal(expected)
+        await _landed_whole(load, caches, expected, reference, src, dst)
 
 
 async def test_a_load_nobody_waits_for_is_queued_by_the_loop_and_completes() -> None:
@@ -445,11 +434,7 @@ async def test_a_load_nobody_waits_for_is_queued_by_the_loop_and_completes() -> 
         # No wait_layer, no wait(): the loop queues the rest once the copies should be over.
         await asyncio.wait_for(asyncio.shield(load.pulled), timeout=30)
         assert mover.threads_of(3) == {threading.get_ident()}
-        await load.wait()
-        assert load.done()
-        torch.cuda.synchronize()
-        expect_copy(caches, expected, reference, src, dst, range(96), BLOCK)
-        assert caches.bytes_equal(expected)
+        await _landed_whole(load, caches, expected, reference, src, dst)
 
 
 async def test_a_fault_while_the_model_thread_enqueues_fails_that_layer_and_leaks_nothing() -> None:
