@@ -1014,20 +1014,22 @@ class _LoadPull:
             self.queue(self.last)
         elif self.waited and load is not None and load._has_event[layer]:
             short = not load._has_event[min(self.last, layer + MIN_LEAD_LAYERS)]
-            if short or self._model_behind():
+            if short or self._stream_has_work():
                 self.queue(min(self.last, layer + self.ahead), fills=1)
         else:
             self.waited = True
             self.queue(layer)
 
-    def _model_behind(self) -> bool:
-        """Whether the model's stream has not reached the last wait's mark yet."""
+    def _stream_has_work(self) -> bool:
+        """Whether the waiting stream has not reached the last wait's mark yet: the GPU still
+        has the model's work before it queued (the layer that wait released, at least)."""
         marker = self.marker
         return marker is not None and not marker.query()  # type: ignore[no-untyped-call]
 
     def mark(self, stream: Any) -> None:
-        """The waiting thread, once its stream waits for a layer: what the next wait asks
-        (reached, the GPU is on that layer already; not, it has the layer still ahead)."""
+        """Record, on ``stream`` right after its wait for a layer, the mark the next wait
+        queries: reached, the GPU has started that layer; not reached, the layer is still ahead
+        of it."""
         if self.ended:
             return
         if self.marker is None:
