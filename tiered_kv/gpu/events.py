@@ -80,7 +80,8 @@ class CudaLayerLoad(LayerLoad):
     On the staging path (`CudaMover.scatter_layerwise` returns once the first layers are queued)
     the rest is queued by its waiters (``pull``, a `_LoadPull` of the mover): ``wait_layer(i)``
     queues what layer ``i`` still lacks (or, from the second wait on, one fill of a lead beyond
-    it) on the calling thread, then orders the stream after layer ``i``'s event, so on the GPU each
+    it when the lead is short or the GPU has model work queued to cover it: ``mark``) on the
+    calling thread, then orders the stream after layer ``i``'s event, so on the GPU each
     layer waits for its own copies only and the host never waits for another thread. The model's
     own thread does the enqueue because a second Python thread enqueueing beside the model costs
     both: they share the GIL, and the enqueue's driver calls release it at every call, so they
@@ -104,7 +105,7 @@ class CudaLayerLoad(LayerLoad):
         self.error: BaseException | None = None
         self.call_owns_objects = False  # set once the enqueue's call holds the references
         # Staging loads are enqueued by their waiters: ``pull(i)`` queues what layer i lacks
-        # (or one fill of a lead beyond it) on the calling thread, ``pull(None)`` all of them;
+        # (or maybe one fill of a lead beyond it) on the calling thread, ``pull(None)`` all;
         # ``pulled`` resolves on the loop once the whole load is queued and handed to the waiter.
         self.pull: LayerPull | None = None
         self.pulled: asyncio.Future[None] | None = None
