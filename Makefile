@@ -10,13 +10,30 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-vllm lint bench-core bench-vllm clean
+.PHONY: demo test test-vllm lint lock bench-core bench-vllm clean
 
-$(VENV)/.installed: pyproject.toml
+# requirements-lock.txt pins every package the core venv installs (torch aside: TORCH_SPEC), so an
+# upstream release cannot turn a fresh clone red; `make lock` re-resolves it on purpose.
+LOCK := requirements-lock.txt
+EXTRAS := test,dev,metrics,redis,bench
+
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,dev,metrics,redis]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $@
+
+# A fresh resolve of the core venv's packages into a scratch venv, written to the lock (its header
+# kept). Run it to take upstream releases on purpose, then `make test` and commit the lock.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-lock/bin/python -m pip install -q -e ".[$(EXTRAS)]"
+	grep '^#' $(LOCK) > $(LOCK).new
+	.venv-lock/bin/python -m pip freeze --exclude-editable | grep -v -E '^(torch==|tiered-kv)' >> $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf .venv-lock
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/tiered-kv demo
@@ -30,8 +47,11 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml
 	$(VLLM_PY) -c "import vllm, tiered_kv.integrations.vllm"
 	touch $@
 
+# The core suite, then the benchmarks' own tests (bench-only dependencies such as transformers can
+# fail only that second run), then the vLLM connector's tests in their venv.
 test: $(VENV)/.installed $(VLLM_VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/bench
+	$(PY) -m pytest -q tests/bench
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-vllm: $(VLLM_VENV)/.installed
@@ -50,4 +70,4 @@ bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) bench/vllm_ttft.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lock *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -233,11 +234,18 @@ def prefill(
         out = model(
             input_ids=token_ids[prefix_tokens:].unsqueeze(0),
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_argument(model): cache},
         )
         return logits_to_host(out.logits[0, -1].float())
+
+
+def cache_argument(model: LlamaForCausalLM) -> str:
+    """The name transformers' forward takes the KV cache under: ``cache`` from 5.24 on
+    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def logits_to_host(logits: torch.Tensor) -> torch.Tensor:
@@ -301,14 +309,14 @@ class PrefillGraphs:
                 model(
                     input_ids=self.ids,
                     position_ids=positions,
-                    past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
+                    **{cache_argument(model): cache},
                 )
         finally:
             hook.remove()
         kwargs = seen["kwargs"]
-        if kwargs.get("past_key_values") is not cache:
+        if kwargs.get(cache_argument(model)) is not cache:
             raise RuntimeError("PrefillGraphs: the decoder layers did not get the paged cache")
         torch.cuda.synchronize(device)
         pool = torch.cuda.graph_pool_handle()

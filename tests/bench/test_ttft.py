@@ -18,7 +18,7 @@ import torch
 try:
     import transformers  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    message = f"bench/ttft.py needs transformers (pip install 'transformers>=5,<6'): {exc}"
+    message = f"bench/ttft.py needs transformers (pip install -e '.[bench]'): {exc}"
     if os.environ.get("CI"):
         pytest.fail(message, pytrace=False)
     pytest.skip(message, allow_module_level=True)
