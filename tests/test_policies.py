@@ -12,6 +12,7 @@ import torch
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.errors import ConfigError
+from tiered_kv.tiers.l2_disk import DiskTier
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
 TOKENS = list(range(1000, 1100))  # 3 full chunks of 32 and a partial of 4
@@ -306,6 +307,9 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
         ("write_policies", "L2=never", "TIER=POLICY"),
         ("selective_min_hits", 0, "selective_min_hits"),
         ("prefetch_concurrency", True, "prefetch_concurrency"),
+        ("prefetch_concurrency", 0, "prefetch_concurrency"),
+        ("l2_io_threads", 0, "l2_io_threads"),
+        ("l2_io_threads", "8", "l2_io_threads"),
         ("prefetch_l1_fraction", 0.0, "prefetch_l1_fraction"),
         ("prefetch_l1_fraction", 1.5, "prefetch_l1_fraction"),
         ("prefetch_timeout_base_s", -1.0, "prefetch_timeout_base_s"),
@@ -346,6 +350,24 @@ def test_policy_config_from_env() -> None:
     assert config.selective_min_hits == 5
     with pytest.raises(ConfigError, match="TIERED_KV_PREFETCH_CONCURRENCY"):
         EngineConfig.from_env({"TIERED_KV_PREFETCH_CONCURRENCY": "many"})
+    sized = EngineConfig.from_env(
+        {"TIERED_KV_PREFETCH_CONCURRENCY": "auto", "TIERED_KV_L2_IO_THREADS": "12"}
+    )
+    assert (sized.prefetch_concurrency, sized.l2_io_threads) == (None, 12)
+    assert EngineConfig().prefetch_concurrency is None and EngineConfig().l2_io_threads is None
+
+
+async def test_prefetch_takes_each_tier_s_own_parallelism_unless_the_config_sets_one(
+    tmp_path: Path,
+) -> None:
+    """An L2 of 3 I/O threads gets 3 reads in flight; prefetch_concurrency overrides it."""
+    for concurrency, expected in ((None, 3), (2, 2)):
+        tier = DiskTier(tmp_path / f"l2-{concurrency}", 1 << 30, io_threads=3)
+        async with TieredKVEngine(
+            _config(prefetch_concurrency=concurrency), lower_tiers=[tier]
+        ) as engine:
+            assert tier.read_parallelism == 3
+            assert engine.stats()["prefetch"]["read_slots_l2"] == expected
 
 
 async def test_prefetch_off_means_lookup_loads_nothing(caches: KVCaches) -> None:

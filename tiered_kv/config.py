@@ -39,11 +39,12 @@ _INT_FIELDS = (
     "chunk_size",
     "lower_write_queue",
     "l2_write_queue",
-    "prefetch_concurrency",
     "prefetch_max_pending",
     "retrieve_batch_chunks",
     "selective_min_hits",
 )
+# Ints where None means "sized from the machine" (TIERED_KV_<FIELD>="" or "auto").
+_AUTO_INT_FIELDS = ("prefetch_concurrency", "l2_io_threads")
 _FLOAT_FIELDS = (
     "close_timeout_s",
     "prefetch_timeout_base_s",
@@ -120,7 +121,10 @@ class EngineConfig:
         in L1 now), "wait_complete" (wait for every load), "timeout" (wait at most
         ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_1k_tokens_s`` per 1000 tokens
         still loading). Chunks not ready are reported; the serving engine recomputes them.
-    prefetch_concurrency: loads in flight per lower tier.
+    prefetch_concurrency: loads in flight per lower tier; None (the default) takes each tier's
+        own parallelism (L2: ``l2_io_threads``; L3: its connections).
+    l2_io_threads: L2's blocking I/O threads (reads and writes in parallel, each straight into
+        or out of its L1 object); None sizes them from the machine (one per core, 4 to 16).
     prefetch_l1_fraction: share of L1 that prefetch reservations may hold, in (0, 1].
     prefetch_max_pending: prefetches started by lookup and not yet consumed by retrieve; beyond
         it the oldest is cancelled (a lookup whose request never reaches retrieve).
@@ -157,7 +161,8 @@ class EngineConfig:
     prefetch_policy: str = "wait_complete"
     prefetch_timeout_base_s: float = 0.005
     prefetch_timeout_per_1k_tokens_s: float = 0.002
-    prefetch_concurrency: int = 8
+    prefetch_concurrency: int | None = None
+    l2_io_threads: int | None = None
     prefetch_l1_fraction: float = 0.5
     prefetch_max_pending: int = 256
     retrieve_batch_chunks: int = 16
@@ -219,8 +224,13 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"{name}: expected a number >= 0, got {value!r}")
+        for name in ("prefetch_concurrency", "l2_io_threads"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(f"{name}: expected None or an int >= 1, got {value!r}")
         for name in (
-            "prefetch_concurrency",
             "prefetch_max_pending",
             "retrieve_batch_chunks",
             "selective_min_hits",
@@ -398,7 +408,9 @@ def _l3_from_env_string(name: str, raw: str) -> Any:
 def _from_env_string(name: str, raw: str) -> Any:
     if name.startswith("l3_"):
         return _l3_from_env_string(name, raw)
-    if name in _INT_FIELDS:
+    if name in _AUTO_INT_FIELDS and raw.strip().lower() in ("", "auto", "none"):
+        return None
+    if name in _INT_FIELDS or name in _AUTO_INT_FIELDS:
         try:
             return int(raw)
         except ValueError:

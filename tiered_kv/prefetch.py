@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 from tiered_kv.keys import ChunkKey
@@ -61,6 +61,7 @@ class PrefetchStats:
     reserved_bytes: int  # L1 bytes held by prefetch reservations
     budget_bytes: int
     live_handles: int
+    read_slots: Mapping[str, int]  # loads in flight at most, per lower tier (lower-case name)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -97,12 +98,20 @@ class PrefetchSlot:
 class PrefetchController:
     """Starts, deduplicates and bounds loads; see the module docstring for ownership."""
 
-    def __init__(self, storage: StorageManager, *, concurrency: int, l1_budget_bytes: int) -> None:
+    def __init__(
+        self, storage: StorageManager, *, concurrency: int | None, l1_budget_bytes: int
+    ) -> None:
+        """``concurrency``: loads in flight per lower tier; None takes each tier's own
+        ``read_parallelism`` (its I/O threads or connections)."""
         self.storage = storage
         self.l1_budget_bytes = l1_budget_bytes
         self.reserved_bytes = 0
         self.counters = PrefetchCounters()
-        self._limits = [asyncio.Semaphore(concurrency) for _ in storage.lower]
+        self.read_slots = {
+            tier.name.lower(): tier.read_parallelism if concurrency is None else concurrency
+            for tier in storage.lower
+        }
+        self._limits = [asyncio.Semaphore(self.read_slots[t.name.lower()]) for t in storage.lower]
         self._loads: dict[ChunkKey, _Load] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
         self._handles: weakref.WeakSet[PrefetchHandle] = weakref.WeakSet()
@@ -232,6 +241,7 @@ class PrefetchController:
             reserved_bytes=self.reserved_bytes,
             budget_bytes=self.l1_budget_bytes,
             live_handles=sum(1 for handle in self._handles if not handle.released),
+            read_slots=dict(self.read_slots),
         )
 
     async def aclose(self) -> None:

@@ -4,13 +4,20 @@ Owns the engine's event loop (uvloop when installed, `new_event_loop`) and the t
 it, and `SyncPrefetchHandle`. Each blocking verb is made from the async engine's method of the
 same name (`_blocking`, `_on_loop`), so its signature, types and docstring are written once, on
 `TieredKVEngine`. Must not hold engine state of its own: every call runs on the engine's loop.
+
+A facade still open when the interpreter exits (a script that just ends, as vLLM's scripts do)
+is closed by an ``atexit`` hook: pending lower-tier writes are flushed within
+``close_timeout_s`` or counted as dropped, and nothing raises from the hook.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
+import logging
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -27,6 +34,19 @@ from tiered_kv.tiers.base import LowerTier
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
+_open_facades: weakref.WeakSet[SyncTieredKVEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every facade its owner left open; a failure is logged, never raised."""
+    for facade in list(_open_facades):
+        try:
+            facade.close()
+        except Exception:
+            logger.warning("tiered_kv: closing an engine at exit failed", exc_info=True)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -89,6 +109,7 @@ class SyncTieredKVEngine:
         except BaseException:
             self._stop_loop()
             raise
+        _open_facades.add(self)
 
     @property
     def engine(self) -> TieredKVEngine:
@@ -162,6 +183,7 @@ class SyncTieredKVEngine:
     def close(self) -> None:
         if self._closed:
             return
+        _open_facades.discard(self)
         try:
             self._call(self._engine.aclose())
         finally:

@@ -8,7 +8,6 @@ so the event loop never blocks on a copy.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -19,6 +18,7 @@ import torch
 from tiered_kv.errors import TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, check_layers
 from tiered_kv.layout import KVCacheLayout, LayerGroup
+from tiered_kv.threads import BlockingPool
 
 
 def _byte_view(view: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,8 @@ class TorchMover(KVMover):
     name = "torch"
 
     def __init__(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tkv-mover")
+        # Its own thread, not concurrent.futures: a close from an atexit hook still runs.
+        self._worker = BlockingPool("tkv-mover", 1)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # used by the worker only
         self.bytes_gathered = 0
         self.bytes_scattered = 0
@@ -173,7 +174,6 @@ class TorchMover(KVMover):
     ) -> float:
         if not transfers:
             return 0.0
-        loop = asyncio.get_running_loop()
         ready: torch.cuda.Event | None = None
         if layout.device.type == "cuda":
             if after is not None:
@@ -212,7 +212,7 @@ class TorchMover(KVMover):
             return time.perf_counter() - start
 
         held = [t.obj.ref() for t in transfers]
-        future = loop.run_in_executor(self._executor, work)
+        future = self._worker.submit(work)
 
         def release(done: asyncio.Future[float]) -> None:
             for obj in held:
@@ -242,7 +242,7 @@ class TorchMover(KVMover):
         }
 
     async def aclose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        await self._worker.aclose()
 
 
 class _ThreadLayerLoad(LayerLoad):

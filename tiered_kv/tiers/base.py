@@ -39,11 +39,19 @@ class TierStats:
     capacity: int | None = None
 
 
+DEFAULT_READ_PARALLELISM = 8
+
 TIER_OCCUPANCY = tuple(field.name for field in dataclasses.fields(TierStats))
 
 
 class LowerTier(abc.ABC):
     name: str
+
+    @property
+    def read_parallelism(self) -> int:
+        """Reads worth having in flight at once (prefetch's per-tier limit unless the config
+        sets ``prefetch_concurrency``): a tier with its own I/O threads says how many."""
+        return DEFAULT_READ_PARALLELISM
 
     @abc.abstractmethod
     async def open(self) -> None:

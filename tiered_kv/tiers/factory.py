@@ -63,7 +63,14 @@ def lower_tiers(config: EngineConfig) -> list[LowerTier]:
     if config.l2_path is not None:
         from tiered_kv.tiers.l2_disk import DiskTier
 
-        tiers.append(DiskTier(config.l2_path, config.l2_bytes, fsync=config.l2_fsync))
+        tiers.append(
+            DiskTier(
+                config.l2_path,
+                config.l2_bytes,
+                fsync=config.l2_fsync,
+                io_threads=config.l2_io_threads,
+            )
+        )
     if config.l3_url is not None:
         tiers.append(remote_tier(config))
     return tiers

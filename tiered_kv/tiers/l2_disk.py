@@ -29,13 +29,13 @@ directory first, this tier leaves it alone: it forgets its index and every later
 Must not: keep `MemoryObj`s or change their reference counts, hand out bytes whose checksum was
 not verified, or touch a caller's buffers after the call that lent them has returned.
 
-Threads: every method runs on the engine's event loop; file I/O runs in the loop's default
-executor through `_run_blocking`, one hop per put / get. Not aiofiles: an aiofiles await returns
-as soon as its task is cancelled while the worker thread keeps going, so a cancelled `get_into`
-would go on writing into a `MemoryObj` its caller may already have released (and a cancelled
-unlink could delete a file written after it). `_run_blocking` tells the thread to stop and waits
-for it before cancellation propagates. Made as cancel-safe, aiofiles still hops once per call and
-leaves the hashing on the loop: reads at 58-80% of this path (docs/benchmarks.md).
+Threads: every method runs on the engine's event loop; file I/O and hashing run on the tier's
+own `BlockingPool` (``io_threads`` threads, sized from the machine by default), one hop per
+put / get, so a request's chunks are read in parallel, each straight into its L1 object. A
+cancelled call tells its thread to stop and waits for it before cancellation propagates, so a
+released `MemoryObj` is never written. Not aiofiles: its await returns as soon as its task is
+cancelled while the thread keeps going, and it leaves the hashing on the loop
+(docs/decisions/l2-io-threads.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import xxhash
 
@@ -86,6 +85,7 @@ from tiered_kv.errors import (
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
+from tiered_kv.threads import BlockingPool, check_abort, default_io_threads
 from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,6 @@ _READ_SLICE_BYTES = 1 << 20
 _NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 # Retries of one put after no-space errors; each follows deletions, so each meets more room.
 _NO_SPACE_RETRIES = 2
-
-_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,37 +132,7 @@ class _Entry:
         return sum(group.nbytes for group in self.groups)
 
 
-# -- blocking helpers (run in executor threads) -------------------------------------------------
-
-
-class _Aborted(Exception):
-    """The awaiting task was cancelled; the thread stopped before its next step."""
-
-
-async def _run_blocking(fn: Callable[[], _T], abort: threading.Event | None = None) -> _T:
-    """Run ``fn`` in the default executor; cancellation waits until the thread is done.
-
-    On cancellation ``abort`` is set (``fn`` checks it between steps), then this waits for the
-    thread to finish before re-raising, so the caller's buffers and our files are never touched
-    after we return. Further cancellations during that wait are absorbed; one is re-raised.
-    """
-    future = asyncio.get_running_loop().run_in_executor(None, fn)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        if abort is not None:
-            abort.set()
-        while not future.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait((future,))
-        if not future.cancelled():
-            future.exception()  # mark retrieved: the cancellation is what the caller sees
-        raise
-
-
-def _check_abort(abort: threading.Event) -> None:
-    if abort.is_set():
-        raise _Aborted
+# -- blocking helpers (run on the tier's I/O threads) -------------------------------------------
 
 
 class FileOps:
@@ -345,7 +313,7 @@ def _write_chunk_file(job: _WriteJob) -> None:
     The payload is written first, at its offset after the header, one hashed group at a time;
     the header, which holds the hash, goes last at offset 0.
     """
-    _check_abort(job.abort)
+    check_abort(job.abort)
     header_len = check_encodable(job.key_bytes, job.num_tokens, job.specs, job.limits)
     job.lock_retaken = job.lock.ensure_held(job.fsync)
     try:
@@ -353,19 +321,19 @@ def _write_chunk_file(job: _WriteJob) -> None:
             state = xxhash.xxh3_64()
             position = header_len
             for buffer in job.buffers:
-                _check_abort(job.abort)
+                check_abort(job.abort)
                 state.update(buffer)
                 _write_all_at(file, buffer, position, job.file_ops)
                 position += len(buffer)
             header = encode_header(
                 job.key_bytes, job.num_tokens, job.specs, state.intdigest(), limits=job.limits
             )
-            _check_abort(job.abort)
+            check_abort(job.abort)
             _write_all_at(file, header, 0, job.file_ops)
             os.utime(file.fileno(), ns=(job.stamp_ns, job.stamp_ns))
             if job.fsync:
                 os.fsync(file.fileno())
-        _check_abort(job.abort)
+        check_abort(job.abort)
         os.replace(job.temp_path, job.final_path)
     except BaseException:
         _unlink_quietly(job.temp_path)
@@ -420,7 +388,7 @@ def _read_chunk_file(
     file_ops: FileOps,
 ) -> tuple[_ReadOutcome, str]:
     """Verify the header, read the payload straight into ``buffers``, verify the checksum."""
-    _check_abort(abort)
+    check_abort(abort)
     try:
         file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
     except FileNotFoundError:
@@ -439,7 +407,7 @@ def _read_chunk_file(
         state = xxhash.xxh3_64()
         for index, buffer in enumerate(buffers):
             for piece in _slices(buffer, file_ops.read_slice_bytes):
-                _check_abort(abort)
+                check_abort(abort)
                 if not _readinto_exact(file, piece, file_ops):
                     return _ReadOutcome.CORRUPT, f"short read in group {index}"
                 state.update(piece)
@@ -697,8 +665,10 @@ class DiskTier(LowerTier):
     """L2 on a local directory, bounded by ``capacity`` bytes of files, LRU.
 
     ``fsync=False`` skips the file and directory fsyncs (faster, but a power loss may lose
-    recent chunks; the checksums still keep torn files from being served). ``file_ops`` is the
-    seam for fault tests (a full disk); leave the default otherwise.
+    recent chunks; the checksums still keep torn files from being served). ``io_threads``: the
+    tier's blocking threads (reads and writes in parallel); None sizes them from the machine
+    (`default_io_threads`). ``file_ops`` is the seam for fault tests (a full disk); leave the
+    default otherwise.
     """
 
     name = "L2"
@@ -711,6 +681,7 @@ class DiskTier(LowerTier):
         fsync: bool = True,
         limits: CodecLimits = DEFAULT_LIMITS,
         file_ops: FileOps = DEFAULT_FILE_OPS,
+        io_threads: int | None = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(
@@ -721,6 +692,8 @@ class DiskTier(LowerTier):
         self.fsync = fsync
         self.limits = limits
         self.file_ops = file_ops
+        threads = default_io_threads() if io_threads is None else io_threads
+        self._pool = BlockingPool("tkv-l2", threads)
         self._lock = _DirectoryLock(self.root, file_ops)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
@@ -743,8 +716,8 @@ class DiskTier(LowerTier):
             raise EngineStateError(f"DiskTier.open: already {self._state}; open is called once")
         try:
             try:
-                await _run_blocking(self._lock.acquire)
-                rebuilt = await _run_blocking(
+                await self._pool.run(self._lock.acquire)
+                rebuilt = await self._pool.run(
                     functools.partial(_rebuild_index, self.root, self.limits)
                 )
             except OSError as exc:
@@ -761,6 +734,9 @@ class DiskTier(LowerTier):
             self._lock.release()
             self._index.clear()
             self._bytes_used = 0
+            # A failed open may be tried again: its threads end, a new pool serves the retry.
+            await self._pool.aclose()
+            self._pool = BlockingPool(self._pool.name, self._pool.size)
             raise
         self._state = "open"
         logger.info(
@@ -772,14 +748,20 @@ class DiskTier(LowerTier):
             rebuilt.temp_removed,
         )
 
+    @property
+    def read_parallelism(self) -> int:
+        return self._pool.size
+
     async def aclose(self) -> None:
-        """Release the directory lock. Await or cancel this tier's operations first."""
+        """Release the directory lock and join the I/O threads. Await or cancel this tier's
+        operations first."""
         if self._state == "closed":
             return
         self._state = "closed"
         self._lock.release()
         self._index.clear()
         self._bytes_used = 0
+        await self._pool.aclose()
 
     def _check_open(self, verb: str) -> None:
         if self._state != "open":
@@ -855,7 +837,7 @@ class DiskTier(LowerTier):
         self._busy.update(events)
         self._bytes_deleted += sum(entry.size for _, entry in victims)
         try:
-            await _run_blocking(functools.partial(_unlink_paths, [e.path for _, e in victims]))
+            await self._pool.run(functools.partial(_unlink_paths, [e.path for _, e in victims]))
         finally:
             for key, event in events:
                 del self._busy[key]
@@ -882,7 +864,7 @@ class DiskTier(LowerTier):
         try:
             if size + self._reserved > self._effective_capacity:
                 # Even an empty tier would not hold it on this filesystem: has space come back?
-                free_bytes = await _run_blocking(
+                free_bytes = await self._pool.run(
                     functools.partial(self.file_ops.free_bytes, self.root)
                 )
                 self._fit_to_filesystem(free_bytes)
@@ -947,7 +929,7 @@ class DiskTier(LowerTier):
             deleted_before = self._bytes_deleted
             started = time.perf_counter()
             try:
-                await _run_blocking(functools.partial(_store_chunk, job), job.abort)
+                await self._pool.run(functools.partial(_store_chunk, job), job.abort)
             except asyncio.CancelledError:
                 # Cancelled after the rename: the chunk is complete, so keep it indexed.
                 if job.committed:
@@ -1014,7 +996,7 @@ class DiskTier(LowerTier):
         """The directory was recreated: drop the entries whose files went with the old one."""
         self._counters["directory_recreated"] += 1
         snapshot = list(self._index.items())
-        vanished = await _run_blocking(
+        vanished = await self._pool.run(
             functools.partial(_vanished, [entry.path for _, entry in snapshot])
         )
         for (key, entry), gone in zip(snapshot, vanished, strict=True):
@@ -1051,7 +1033,7 @@ class DiskTier(LowerTier):
         )
         started = time.perf_counter()
         try:
-            outcome, detail = await _run_blocking(read, abort)
+            outcome, detail = await self._pool.run(read, abort)
         except Exception:
             self._counters["read_failures"] += 1
             self._counters["misses"] += 1
@@ -1095,7 +1077,7 @@ class DiskTier(LowerTier):
         if not stamps:
             return
         try:
-            failures = await _run_blocking(functools.partial(_set_mtimes, stamps))
+            failures = await self._pool.run(functools.partial(_set_mtimes, stamps))
         except Exception:  # recency is a hint: the in-memory order stands
             logger.warning("L2: stamping %d touched files failed", len(stamps), exc_info=True)
             failures = len(stamps)

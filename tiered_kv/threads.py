@@ -1,0 +1,211 @@
+"""`BlockingPool`: a bounded set of threads that a data plane owns, for its blocking I/O.
+
+Owns its worker threads (started lazily up to ``threads``, named after the pool) and a queue of
+jobs. A coroutine hands a job over with `run` and awaits its result, which comes back to the
+loop with ``call_soon_threadsafe``. Not the loop's default executor, and not
+`concurrent.futures`: those refuse new work once the interpreter starts shutting down, so an
+engine closed from an ``atexit`` hook (a script that just ends) could not flush its writes.
+
+Cancellation: a job not yet started is dropped; a running job gets its ``abort`` event set (the
+job checks it between steps) and `run` waits for the thread to finish before re-raising, so a
+cancelled caller's buffers are never touched after `run` returns.
+
+Threads: `run` and `aclose` on one event loop; `close` from any thread but a worker's.
+Must not know what its jobs do (files, sockets) or hold references to their buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from tiered_kv.errors import ConfigError, EngineStateError
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+MIN_IO_THREADS = 4
+MAX_IO_THREADS = 16
+
+
+def default_io_threads() -> int:
+    """Threads for a data plane sized from the machine: one per core, 4 to 16."""
+    return max(MIN_IO_THREADS, min(MAX_IO_THREADS, os.cpu_count() or 1))
+
+
+def check_thread_count(name: str, value: object) -> int:
+    """``value`` as a thread count (an int >= 1); `ConfigError` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}: expected an int >= 1, got {value!r}")
+    return value
+
+
+class Aborted(Exception):
+    """Raised inside a job when its caller was cancelled: stop before the next step."""
+
+
+def check_abort(abort: threading.Event | None) -> None:
+    """Raise `Aborted` when ``abort`` is set (a job's check between steps)."""
+    if abort is not None and abort.is_set():
+        raise Aborted
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Job(Generic[_T]):
+    fn: Callable[[], _T]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[_T]
+    abort: threading.Event
+    started: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolStats:
+    threads: int  # started so far (at most the pool's size)
+    busy: int  # running a job now
+    queued: int  # waiting for a thread
+
+
+class BlockingPool:
+    """Runs blocking jobs on at most ``threads`` threads of its own; see the module docstring."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self.name = name
+        self.size = check_thread_count(f"{name} threads", threads)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: collections.deque[_Job[Any]] = collections.deque()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._busy = 0
+        self._closing = False
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(len(self._threads), self._busy, len(self._queue))
+
+    async def run(self, fn: Callable[[], _T], abort: threading.Event | None = None) -> _T:
+        """``fn()`` on one of the pool's threads. Cancellation drops a job not yet started, or
+        sets ``abort`` and waits for the running job to end; further cancellations during that
+        wait are absorbed and one is re-raised."""
+        job = self._enqueue(fn, abort)
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            with self._lock:
+                if not job.started:
+                    self._queue.remove(job)
+                    job.started = True  # never runs now
+                    raise
+            job.abort.set()
+            while not job.future.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((job.future,))
+            if not job.future.cancelled():
+                job.future.exception()  # mark retrieved: the cancellation is what the caller sees
+            raise
+
+    def submit(self, fn: Callable[[], _T]) -> asyncio.Future[_T]:
+        """``fn()`` on one of the pool's threads; the future (of the running loop) gets its
+        result. Cancelling the future does not stop the job: callers that lend buffers to
+        ``fn`` release them in the future's done callback (or use `run`)."""
+        return self._enqueue(fn, None).future
+
+    def _enqueue(self, fn: Callable[[], _T], abort: threading.Event | None) -> _Job[_T]:
+        loop = asyncio.get_running_loop()
+        job: _Job[_T] = _Job(fn, loop, loop.create_future(), abort or threading.Event())
+        with self._lock:
+            if self._closing:
+                raise EngineStateError(f"{self.name}: the pool is closed")
+            self._queue.append(job)
+            if self._idle:
+                self._work.notify()
+            elif len(self._threads) < self.size:
+                self._start_thread()
+        return job
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(
+            target=self._serve, name=f"{self.name}-{len(self._threads)}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._idle += 1
+                    self._work.wait()
+                    self._idle -= 1
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                job.started = True
+                self._busy += 1
+            try:
+                result = job.fn()
+            except BaseException as exc:
+                self._settle(job, None, exc)
+            else:
+                self._settle(job, result, None)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    @staticmethod
+    def _settle(job: _Job[Any], result: Any, error: BaseException | None) -> None:
+        def settle() -> None:
+            if job.future.done():  # cancelled by a `submit` caller
+                return
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+
+        # A closed loop: its caller is gone, and nothing waits for the result.
+        with contextlib.suppress(RuntimeError):
+            job.loop.call_soon_threadsafe(settle)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new jobs, let queued ones run, and join the threads (at most ``timeout``
+        seconds in all). True when every thread ended. Idempotent."""
+        with self._lock:
+            self._closing = True
+            self._work.notify_all()
+            threads = list(self._threads)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads:
+            if thread is threading.current_thread():
+                raise EngineStateError(f"{self.name}: close() from one of its own threads")
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        alive = [thread.name for thread in threads if thread.is_alive()]
+        if alive:
+            logger.warning("%s: threads still running after close: %s", self.name, alive)
+        return not alive
+
+    async def aclose(self, timeout: float | None = None) -> bool:
+        """`close` without blocking the loop: the joins run on a thread of their own."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def settle(ended: bool) -> None:
+            if not done.done():
+                done.set_result(ended)
+
+        def join() -> None:
+            ended = self.close(timeout)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, ended)
+
+        threading.Thread(target=join, name=f"{self.name}-close", daemon=True).start()
+        return await asyncio.shield(done)
