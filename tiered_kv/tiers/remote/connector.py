@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import os
 from collections.abc import Mapping, Sequence
 
 import xxhash
@@ -28,6 +29,12 @@ import xxhash
 from tiered_kv.keys import ChunkKey
 
 BytesLike = bytes | bytearray | memoryview
+
+
+def default_pool_size() -> int:
+    """Connections per store when none is configured: one per core, at least 4, at most 8
+    (each connection receives on a thread of its own; see docs/remote.md)."""
+    return max(4, min(8, os.cpu_count() or 1))
 
 
 class FetchStatus(enum.Enum):
