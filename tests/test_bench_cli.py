@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_cli import run_cli
 from tiered_kv.benchmarks.progress import Progress
 
@@ -120,6 +122,32 @@ def test_bench_transfer_without_cuda_says_so_and_exits_2(tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_bench_prefetch_measures_each_lower_tier_against_its_own_ceiling(tmp_path: Path) -> None:
+    result = run_cli(
+        "bench", "prefetch", "--chunks", "4", "--chunk-mib", "1", "--reps", "1",
+        "--dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.rstrip().splitlines()
+    rows = {line[:34].strip(): line[34:].split() for line in lines[-3:]}
+    assert set(rows) == {
+        "L2 warm (page cache)",
+        "L2 cold (fadvise-dropped)",
+        "L3 (tiered-kv serve, loopback)",
+    }
+    for path, cells in rows.items():
+        ours = float(cells[0])
+        assert ours > 0, path
+        if cells[1] != "-":
+            assert float(cells[1]) > 0 and float(cells[2]) == pytest.approx(
+                ours / float(cells[1]), abs=0.01
+            )
+    assert "page cache -> memory, readinto: 1 threads" in result.stderr
+    assert "loopback TCP, a process per end: 1 streams" in result.stderr
+    assert list(tmp_path.iterdir()) == [], "the benchmark's files are removed"
+
+
 def test_bench_names_and_options_are_checked() -> None:
     unknown = run_cli("bench", "nope")
     assert unknown.returncode == 2 and "invalid choice: 'nope'" in unknown.stderr
@@ -130,7 +158,7 @@ def test_bench_names_and_options_are_checked() -> None:
 
 
 def test_bench_scripts_in_a_clone_run_the_packaged_benchmarks() -> None:
-    for name in ("workload", "transfer", "remote"):
+    for name in ("workload", "transfer", "remote", "prefetch"):
         result = subprocess.run(
             [sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"],
             capture_output=True,

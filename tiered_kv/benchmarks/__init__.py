@@ -12,6 +12,7 @@ BENCHMARKS = {
     "workload": "multi-turn conversations on L1 + L2 (+ L3): hit rate, TTFT proxy, prefetch (CPU)",
     "transfer": "GPU <-> host KV transfers of every mover path against cudaMemcpy (needs CUDA)",
     "remote": "the L3 server and Redis on loopback against a raw socket (CPU)",
+    "prefetch": "L2 (warm, cold) and L3 prefetch into L1 against readinto, O_DIRECT and TCP (CPU)",
 }
 
 

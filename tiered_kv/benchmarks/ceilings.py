@@ -1,0 +1,191 @@
+"""The machine's own ceilings for the lower tiers, measured with no tiered_kv code in the path.
+
+- `page_cache_read_gbps`: files already in the page cache read with ``readinto`` straight into
+  preallocated buffers by N threads (the L2 warm ceiling).
+- `direct_read_gbps`: the same files with their cached pages dropped first
+  (``posix_fadvise(DONTNEED)``), read with ``O_DIRECT`` by N threads (the L2 cold ceiling); None
+  where the filesystem refuses ``O_DIRECT``.
+- `loopback_tcp_gbps`: N TCP streams on loopback, a sender process and this process receiving
+  with blocking ``recv_into`` on one thread per stream (the L3 ceiling at N connections).
+
+Benchmarks call these in the same run as their own figures and report ratios to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import multiprocessing
+import os
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+_DIRECT_ALIGN = 4096
+
+
+def _parallel(jobs: Sequence[Callable[[], None]], threads: int) -> float:
+    """Run ``jobs`` on ``threads`` threads (each takes the next job); the wall time."""
+    lock = threading.Lock()
+    pending = list(reversed(jobs))
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending or errors:
+                    return
+                job = pending.pop()
+            try:
+                job()
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                return
+
+    workers = [threading.Thread(target=worker) for _ in range(max(1, threads))]
+    started = time.perf_counter()
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return elapsed
+
+
+def _readinto_file(path: Path, buffer: memoryview, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        filled = 0
+        while filled < len(buffer):
+            count = os.readv(fd, [buffer[filled:]])
+            if not count:
+                break
+            filled += count
+    finally:
+        os.close(fd)
+
+
+def page_cache_read_gbps(
+    paths: Sequence[Path], buffers: Sequence[memoryview], threads: int, reps: int = 3
+) -> float:
+    """GB/s of reading ``paths`` (warm) into ``buffers`` (one each, at least the file's size)
+    by ``threads`` threads; the best of ``reps`` passes after one warm-up pass."""
+    sizes = [os.path.getsize(path) for path in paths]
+    jobs = [
+        (lambda p=path, b=buffer, n=size: _readinto_file(p, b[:n]))
+        for path, buffer, size in zip(paths, buffers, sizes, strict=True)
+    ]
+    _parallel(jobs, threads)
+    best = min(_parallel(jobs, threads) for _ in range(reps))
+    return sum(sizes) / best / 1e9
+
+
+def drop_cached_pages(path: Path) -> None:
+    """``posix_fadvise(DONTNEED)``: the kernel drops the file's clean cached pages (no root
+    needed; a host-side cache under a VM may remain)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def direct_read_gbps(paths: Sequence[Path], threads: int) -> float | None:
+    """GB/s of ``O_DIRECT`` reads of ``paths`` by ``threads`` threads after dropping their
+    cached pages; None where the filesystem refuses ``O_DIRECT``."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct or not paths:
+        return None
+    sizes = [os.path.getsize(path) for path in paths]
+    rounded = [-(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN for size in sizes]
+    maps = [mmap.mmap(-1, max(n, _DIRECT_ALIGN)) for n in rounded]  # page-aligned
+    try:
+        try:
+            _readinto_file(paths[0], memoryview(maps[0])[: rounded[0]], direct)
+        except OSError:
+            return None
+        for path in paths:
+            drop_cached_pages(path)
+        jobs = [
+            (lambda p=path, m=area, n=size: _readinto_file(p, memoryview(m)[:n], direct))
+            for path, area, size in zip(paths, maps, rounded, strict=True)
+        ]
+        elapsed = _parallel(jobs, threads)
+    finally:
+        for area in maps:
+            with contextlib.suppress(BufferError):
+                area.close()
+    return sum(sizes) / elapsed / 1e9
+
+
+def _send_streams(port: int, streams: int, message_bytes: int, messages: int) -> None:
+    """Sender process: ``streams`` connections, each sending ``messages`` messages of
+    ``message_bytes`` from one buffer (``sendall``), paced by a 1-byte ack per message."""
+    payload = memoryview(bytearray(os.urandom(1 << 16)) * (message_bytes >> 16))
+
+    def send(sock: socket.socket) -> None:
+        ack = bytearray(1)
+        for _ in range(messages):
+            sock.sendall(payload)
+            sock.recv_into(ack)
+
+    sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    workers = [threading.Thread(target=send, args=(sock,)) for sock in sockets]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    for sock in sockets:
+        sock.close()
+
+
+def loopback_tcp_gbps(
+    streams: int, *, message_bytes: int = 32 << 20, total_bytes: int = 2 << 30, reps: int = 3
+) -> float:
+    """GB/s received over ``streams`` loopback TCP connections from a sender process, each
+    stream on its own receiving thread (``recv_into`` one preallocated buffer per stream);
+    ``total_bytes`` per pass, median of ``reps`` passes."""
+    message_bytes = max(1 << 16, message_bytes >> 16 << 16)
+    messages = max(1, total_bytes // (message_bytes * streams))
+    context = multiprocessing.get_context("spawn")
+    results = []
+    for _ in range(reps):
+        with socket.create_server(("127.0.0.1", 0), backlog=streams) as server:
+            port = server.getsockname()[1]
+            sender = context.Process(
+                target=_send_streams, args=(port, streams, message_bytes, messages), daemon=True
+            )
+            sender.start()
+            try:
+                conns = [server.accept()[0] for _ in range(streams)]
+                buffers = [memoryview(bytearray(message_bytes)) for _ in range(streams)]
+
+                def receive(conn: socket.socket, buffer: memoryview) -> None:
+                    for _ in range(messages):
+                        filled = 0
+                        while filled < message_bytes:
+                            count = conn.recv_into(buffer[filled:])
+                            if not count:
+                                raise ConnectionError("sender closed early")
+                            filled += count
+                        conn.sendall(b"\x01")
+
+                jobs = [
+                    (lambda c=conn, b=buffer: receive(c, b))
+                    for conn, buffer in zip(conns, buffers, strict=True)
+                ]
+                elapsed = _parallel(jobs, streams)
+                for conn in conns:
+                    conn.close()
+            finally:
+                sender.join(30)
+                if sender.is_alive():
+                    sender.kill()
+        results.append(message_bytes * messages * streams / elapsed / 1e9)
+    return statistics.median(results)
