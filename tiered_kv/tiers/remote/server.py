@@ -3,17 +3,21 @@
 Owns an in-memory, capacity-bounded LRU map of key bytes → chunk frame, the listening socket,
 its connections and their authentication. Stored frames are the codec frames clients send,
 kept as received (a few `bytearray` segments per chunk, each filled by ``recv_into`` as the
-data arrived) and sent back as `memoryview`s of them, so no payload byte is touched by Python
-code. The server checks each frame's
-header (key, lengths) but not the payload checksum: readers verify it on every GET.
+data arrived) and sent back with ``sendmsg`` of `memoryview`s of them, so no payload byte is
+touched by Python code. The server checks each frame's header (key, lengths) but not the
+payload checksum: readers verify it on every GET.
+
+Threads: the event loop that ran `RemoteCacheServer.start` accepts connections (and refuses
+the surplus); each admitted connection is served by a thread of its own with blocking socket
+calls, so several cores send and receive at once (the GIL is released in ``recv_into`` and
+``sendmsg``). Those threads share the store, the counters and the connection set under one
+lock; everything else of a connection belongs to its thread.
 
 Must not: block the loop, trust a length before `ProtocolLimits` checked it, allocate, reserve
 or evict on a length a client claims rather than on bytes it sent, read more than a small AUTH
 from a connection that has not authenticated, or let one bad client disturb others (a malformed
 frame closes only its own connection; a slow, idle or surplus one is closed on a deadline or
 refused).
-
-Runs on one event loop (uvloop under the CLI); every callback below runs on it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import json
 import logging
 import math
 import signal
+import socket
 import sys
+import threading
 import time
 import typing
 
@@ -179,23 +185,26 @@ def _unshared(segment: bytearray) -> bool:
 
 class _Store:
     """The LRU map and its byte accounting: stored frames, recycled segments and bytes reserved
-    by PUTs in flight, all within ``capacity``.
+    by PUTs in flight, all within ``capacity``. Every method takes ``lock`` (connections'
+    threads call them at once); ``entries`` itself is for inspection under that lock.
 
     A PUT asks for its segments one by one as its data arrives (see `_PutSink`), so frames are
     evicted for bytes a client sent, never for a length it claims. Segments of freed frames are
     recycled (a fresh 32 MiB buffer costs more in page faults than receiving 32 MiB over
     loopback), evicted ones included as far as the room they leave is not needed at once; a
     PUT of a size seen before then finds every segment it needs in the pool. A segment is
-    recycled only when no transport still holds a view of it.
+    recycled only when no connection still holds a view of it: `get_views` makes the views
+    under the lock, so the reference count `_unshared` reads is never stale in the unsafe way.
     """
 
-    def __init__(self, capacity: int, counters: dict[str, int]) -> None:
+    def __init__(self, capacity: int, counters: dict[str, int], lock: threading.Lock) -> None:
         self.capacity = capacity
         self.entries: collections.OrderedDict[bytes, _Frame] = collections.OrderedDict()
         self.used = 0
         self.reserved = 0
         self.pooled = 0
         self.pool_limit = capacity // 4
+        self.lock = lock
         self._pool: dict[int, list[bytearray]] = {}
         self._counters = counters
 
@@ -204,26 +213,27 @@ class _Store:
         room made by dropping pooled segments (largest first: the most room per drop), then
         evicting LRU frames, whose segments are pooled as far as they fit (one of them may be
         the answer); None when PUTs in flight already hold that room."""
-        segment = self._take_pooled(nbytes)
-        if segment is not None:
+        with self.lock:
+            segment = self._take_pooled(nbytes)
+            if segment is not None:
+                self.reserved += nbytes
+                return segment
+            if self.reserved + nbytes > self.capacity:
+                return None
+            evicted = []
+            while self.used + self.pooled + self.reserved + nbytes > self.capacity:
+                if self.pooled:
+                    self._drop_pooled()
+                    continue
+                # Not empty: here used > capacity - reserved - nbytes >= 0.
+                _, frame = self.entries.popitem(last=False)
+                self.used -= frame.nbytes
+                self._counters["evictions"] += 1
+                evicted.append(frame)
             self.reserved += nbytes
-            return segment
-        if self.reserved + nbytes > self.capacity:
-            return None
-        evicted = []
-        while self.used + self.pooled + self.reserved + nbytes > self.capacity:
-            if self.pooled:
-                self._drop_pooled()
-                continue
-            # Not empty: here used > capacity - reserved - nbytes >= 0.
-            _, frame = self.entries.popitem(last=False)
-            self.used -= frame.nbytes
-            self._counters["evictions"] += 1
-            evicted.append(frame)
-        self.reserved += nbytes
-        for frame in evicted:
-            self.recycle(frame)
-        segment = self._take_pooled(nbytes)
+            for frame in evicted:
+                self._recycle(frame)
+            segment = self._take_pooled(nbytes)
         return bytearray(nbytes) if segment is None else segment
 
     def _take_pooled(self, nbytes: int) -> bytearray | None:
@@ -238,7 +248,7 @@ class _Store:
         self._pool[size].pop()
         self.pooled -= size
 
-    def recycle(self, frame: _Frame) -> None:
+    def _recycle(self, frame: _Frame) -> None:
         """Pool the segments of a frame no longer stored, as far as they fit (largest first:
         the small ones are the cheapest to allocate again)."""
         for segment in reversed(frame.segments):
@@ -252,34 +262,46 @@ class _Store:
                 self.pooled += size
 
     def release(self, nbytes: int) -> None:
-        self.reserved -= nbytes
+        with self.lock:
+            self.reserved -= nbytes
 
     def insert(self, key: bytes, frame: _Frame) -> None:
-        old = self.entries.pop(key, None)
-        self.entries[key] = frame
-        self.used += frame.nbytes
-        if old is not None:
-            self.used -= old.nbytes
-            self.recycle(old)
+        with self.lock:
+            old = self.entries.pop(key, None)
+            self.entries[key] = frame
+            self.used += frame.nbytes
+            if old is not None:
+                self.used -= old.nbytes
+                self._recycle(old)
 
-    def get(self, key: bytes) -> _Frame | None:
-        frame = self.entries.get(key)
-        if frame is not None:
+    def get_views(self, key: bytes) -> list[memoryview] | None:
+        """Views of ``key``'s segments, to send; its segments stay out of the pool while any
+        of these views lives."""
+        with self.lock:
+            frame = self.entries.get(key)
+            if frame is None:
+                return None
             self.entries.move_to_end(key)
-        return frame
+            return [memoryview(segment) for segment in frame.segments]
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        with self.lock:
+            return [key in self.entries for key in keys]
 
     def delete(self, key: bytes) -> bool:
-        frame = self.entries.pop(key, None)
-        if frame is None:
-            return False
-        self.used -= frame.nbytes
-        self.recycle(frame)
-        return True
+        with self.lock:
+            frame = self.entries.pop(key, None)
+            if frame is None:
+                return False
+            self.used -= frame.nbytes
+            self._recycle(frame)
+            return True
 
     def clear(self) -> None:
-        self.entries.clear()
-        self._pool.clear()
-        self.used = self.pooled = 0
+        with self.lock:
+            self.entries.clear()
+            self._pool.clear()
+            self.used = self.pooled = 0
 
 
 class _PutSink:
@@ -358,133 +380,135 @@ def _decode_frame_header(frame: _Frame, limits: CodecLimits) -> ChunkHeader:
     return decode_header(first, limits)
 
 
-class _Connection(asyncio.BufferedProtocol):
-    """One client: parses requests with a `FrameReader`, answers each in order.
+class _Gone(Exception):
+    """The connection is done for: the peer went away, or we closed it (already counted)."""
 
-    Deadlines (`check_deadlines`, called by the server's watcher) are kept as timestamps that
-    the callbacks below only write, so receiving costs no timer calls.
+
+class _Connection:
+    """One client, served by a thread of its own (`run`): blocking ``recv_into`` feeds a
+    `FrameReader`, each request is answered in order with blocking ``sendmsg``.
+
+    Deadlines are socket timeouts set before each receive (the earliest of: AUTH due, the
+    current header and meta due, idle) and each send (idle), so no watcher is needed. The
+    server may shut the socket down from the loop (`shutdown`); only the thread closes it.
     """
 
-    def __init__(self, server: RemoteCacheServer) -> None:
+    def __init__(self, server: RemoteCacheServer, sock: socket.socket, peer: str) -> None:
         self.server = server
+        self.sock = sock
+        self.peer = peer
         self.reader = FrameReader(
             self,
             server.options.limits,
             check_header=self._check_header,
             on_buffer_change=server._receive_buffers_changed,
         )
-        self.transport: asyncio.Transport | None = None
         self.authenticated = server.options.token is None
-        self.peer = "?"
         # A PUT's key and where its data lands while that streams in.
         self._put: tuple[bytes, _PutSink] | None = None
         self._refusal: tuple[ErrorCode, str] | None = None
-        self._paused = False
-        self._loop = asyncio.get_running_loop()
-        now = self._loop.time()
+        now = time.monotonic()
         self._connected_at = now
         # The last byte from the peer, or the last time it took some of ours.
         self._active_at = now
         # When the first byte of a still incomplete request header or meta arrived.
         self._header_since: float | None = None
-        self._unsent = 0  # our bytes the transport still held at the last check
-        self.closed = self._loop.create_future()
+        self._socket_lock = threading.Lock()  # `shutdown` never meets a closed (reused) fd
+        self._socket_open = True
+        self.thread = threading.Thread(target=self.run, name=f"tkv-serve {peer}", daemon=True)
 
-    # -- transport callbacks ----------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = typing.cast(asyncio.Transport, transport)
-        self.peer = str(transport.get_extra_info("peername"))
-        server = self.server
-        server._counters["connections_total"] += 1
-        open_now = len(server._connections)
-        if open_now >= server.options.max_connections:
-            server._counters["connections_refused"] += 1
-            logger.info("tkv server: refusing %s: %d connections open", self.peer, open_now)
-            limit = server.options.max_connections
-            self._fatal(ErrorCode.BUSY, f"{open_now} connections open, max_connections={limit}", 0)
-            return
-        server._connections.add(self)
-        if server._closing:
-            self._fatal(ErrorCode.SHUTTING_DOWN, "server is shutting down", 0)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.reader.close()
-        self._release_put()
-        self.server._connections.discard(self)
-        self.transport = None
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.server._counters["bytes_in"] += nbytes
+    # -- the thread ---------------------------------------------------------------------------
+    def run(self) -> None:
         try:
-            self.reader.buffer_updated(nbytes)
-        except FrameError as exc:
-            self.server._counters["protocol_errors"] += 1
-            logger.info("tkv server: closing %s: %s", self.peer, exc)
-            self._fatal(exc.code, str(exc), exc.request_id)
-        now = self._loop.time()
-        self._active_at = now
-        if self._header_since is None and self.reader.header_pending:
-            self._header_since = now
+            self._serve()
+        except _Gone:
+            pass
+        except Exception:  # the connection's boundary: only this client loses its connection
+            logger.warning("tkv server: closing %s after an error", self.peer, exc_info=True)
+        finally:
+            self.reader.close()
+            self._release_put()
+            with self._socket_lock:
+                self._socket_open = False
+                self.sock.close()
+            self.server._connection_closed(self)
 
-    def eof_received(self) -> bool | None:
-        return None  # close our side too
-
-    def pause_writing(self) -> None:
-        # The client reads slower than we answer: stop taking requests until it catches up.
-        self._paused = True
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        now = self._loop.time()
-        self._active_at = now
-        if self._header_since is not None:
-            self._header_since = now  # we were not reading it meanwhile
-        if self.transport is not None and not self.reader.stopped:
-            self.transport.resume_reading()
-
-    # -- deadlines --------------------------------------------------------------------------
-    def check_deadlines(self, now: float) -> None:
-        """Close this connection if its AUTH, a request's header and meta, or the peer itself
-        is overdue (`ServerOptions.header_timeout_s`, ``idle_timeout_s``)."""
-        transport = self.transport
-        if transport is None:
-            return
-        unsent = transport.get_write_buffer_size()
-        if transport.is_closing() and not unsent:
-            return  # closes by itself
-        if unsent != self._unsent:  # the peer took some of our answers
-            self._unsent = unsent
+    def _serve(self) -> None:
+        reader = self.reader
+        sock = self.sock
+        while not reader.stopped:
+            buffer = reader.get_buffer(-1)
+            deadline = self._deadline()
+            if deadline is None:
+                sock.settimeout(None)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._time_out()
+                    return
+                sock.settimeout(remaining)
+            try:
+                count = sock.recv_into(buffer)
+            except TimeoutError:
+                self._time_out()
+                return
+            except OSError:
+                return
+            if not count:
+                return  # the peer closed, or the server shut us down
+            self.server._count("bytes_in", count)
+            try:
+                reader.buffer_updated(count)
+            except FrameError as exc:
+                self.server._count("protocol_errors")
+                logger.info("tkv server: closing %s: %s", self.peer, exc)
+                self._fatal(exc.code, str(exc), exc.request_id)
+                return
+            now = time.monotonic()
             self._active_at = now
+            if self._header_since is None and reader.header_pending:
+                self._header_since = now
+
+    # -- deadlines ----------------------------------------------------------------------------
+    def _deadline(self) -> float | None:
+        """When the next receive must have brought bytes (`ServerOptions.header_timeout_s`,
+        ``idle_timeout_s``); None: no bound."""
         options = self.server.options
+        deadlines = []
         header_timeout = options.header_timeout_s
         if header_timeout is not None:
-            if not self.authenticated and now - self._connected_at > header_timeout:
-                self._time_out("header_timeouts", f"no AUTH within {header_timeout}s")
-                return
-            since = self._header_since
-            if since is not None and not self._paused and now - since > header_timeout:
-                message = f"request header and meta took over {header_timeout}s"
-                self._time_out("header_timeouts", message)
-                return
-        idle_timeout = options.idle_timeout_s
-        if idle_timeout is not None and now - self._active_at > idle_timeout:
-            self._time_out("idle_timeouts", f"idle for over {idle_timeout}s")
+            if not self.authenticated:
+                deadlines.append(self._connected_at + header_timeout)
+            if self._header_since is not None:
+                deadlines.append(self._header_since + header_timeout)
+        if options.idle_timeout_s is not None:
+            deadlines.append(self._active_at + options.idle_timeout_s)
+        return min(deadlines, default=None)
 
-    def _time_out(self, counter: str, message: str) -> None:
-        self.server._counters[counter] += 1
-        logger.info("tkv server: closing %s: %s", self.peer, message)
-        transport = self.transport
-        if transport is not None and (transport.is_closing() or transport.get_write_buffer_size()):
-            self.abort()  # it does not take what we send: an error frame would not get through
+    def _time_out(self) -> None:
+        options = self.server.options
+        header_timeout = options.header_timeout_s
+        now = time.monotonic()
+        if (
+            header_timeout is not None
+            and not self.authenticated
+            and now - self._connected_at >= header_timeout
+        ):
+            counter, message = "header_timeouts", f"no AUTH within {header_timeout}s"
+        elif (
+            header_timeout is not None
+            and self._header_since is not None
+            and now - self._header_since >= header_timeout
+        ):
+            counter, message = (
+                "header_timeouts",
+                f"request header and meta took over {header_timeout}s",
+            )
         else:
-            self._fatal(ErrorCode.TIMEOUT, message, 0)
+            counter, message = "idle_timeouts", f"idle for over {options.idle_timeout_s}s"
+        self.server._count(counter)
+        logger.info("tkv server: closing %s: %s", self.peer, message)
+        self._fatal(ErrorCode.TIMEOUT, message, 0)
 
     # -- frames -----------------------------------------------------------------------------
     def _check_header(self, header: FrameHeader) -> None:
@@ -510,7 +534,9 @@ class _Connection(asyncio.BufferedProtocol):
     def frame_started(self, header: FrameHeader, meta: bytes) -> DataSink | None:
         self._header_since = None
         server = self.server
-        server._counters["requests"] += 1
+        server._count("requests")
+        if server._closing:
+            return None  # not answered: `frame_done` stops here
         if header.op != Op.PUT:
             if header.data_len:
                 self._refusal = (ErrorCode.BAD_REQUEST, f"op {header.op} carries no data")
@@ -531,21 +557,26 @@ class _Connection(asyncio.BufferedProtocol):
         return sink
 
     def frame_done(self, header: FrameHeader, meta: bytes, sink: DataSink | None) -> None:
+        if self.server._closing:
+            # Shutting down: requests read from now on are not answered (aclose's contract).
+            self.reader.stopped = True
+            self._release_put()
+            return
         refusal, self._refusal = self._refusal, None
         put = self._put
         if put is not None and put[1].refusal is not None:
             self._put = None
             refusal = (ErrorCode.NO_SPACE, put[1].refusal)
         if refusal is not None:
-            self.server._counters["bad_requests"] += 1
+            self.server._count("bad_requests")
             if refusal[0] == ErrorCode.NO_SPACE:
-                self.server._counters["put_refused"] += 1
+                self.server._count("put_refused")
             self._reply_error(header, *refusal)
             return
         try:
             self._dispatch(header, meta)
         except ProtocolError as exc:
-            self.server._counters["bad_requests"] += 1
+            self.server._count("bad_requests")
             self._reply_error(header, ErrorCode.BAD_REQUEST, str(exc))
 
     def _dispatch(self, header: FrameHeader, meta: bytes) -> None:
@@ -556,34 +587,33 @@ class _Connection(asyncio.BufferedProtocol):
         if op == Op.AUTH:
             token = server.options.token
             if token is not None and not hmac.compare_digest(meta, token):
-                server._counters["auth_failures"] += 1
+                server._count("auth_failures")
                 logger.warning("tkv server: wrong token from %s", self.peer)
                 self._fatal(ErrorCode.AUTH_FAILED, "wrong token", header.request_id)
-                return
+                raise _Gone
             self.authenticated = True
             self._reply(header, Status.OK)
         elif op == Op.PING:
             self._reply(header, Status.OK, meta)
         elif op == Op.EXISTS:
             keys = decode_key_list(meta, limits)
-            server._counters["exists_keys"] += len(keys)
-            entries = store.entries
-            self._reply(header, Status.OK, bytes([key in entries for key in keys]))
+            server._count("exists_keys", len(keys))
+            self._reply(header, Status.OK, bytes(store.contains_many(keys)))
         elif op == Op.PUT:
             self._finish_put(header)
         elif op == Op.GET:
-            frame = store.get(check_key(meta, limits))
-            server._counters["gets"] += 1
-            if frame is None:
-                server._counters["misses"] += 1
+            views = store.get_views(check_key(meta, limits))
+            server._count("gets")
+            if views is None:
+                server._count("misses")
                 self._reply(header, Status.NOT_FOUND)
                 return
-            server._counters["hits"] += 1
-            self._reply(header, Status.OK, data=frame)
+            server._count("hits")
+            self._reply(header, Status.OK, data=views)
         elif op == Op.DELETE:
             keys = decode_key_list(meta, limits)
             removed = bytes([store.delete(key) for key in keys])
-            server._counters["deletes"] += sum(removed)
+            server._count("deletes", sum(removed))
             self._reply(header, Status.OK, removed)
         elif op == Op.STATS:
             self._reply(header, Status.OK, json.dumps(server.stats()).encode())
@@ -609,7 +639,7 @@ class _Connection(asyncio.BufferedProtocol):
         # The reservation made room for the frame; turning it into used bytes keeps
         # used + reserved <= capacity.
         self.server._store.insert(key, frame)
-        self.server._counters["puts"] += 1
+        self.server._count("puts")
         self._reply(header, Status.OK)
 
     def _release_put(self) -> None:
@@ -623,98 +653,166 @@ class _Connection(asyncio.BufferedProtocol):
         header: FrameHeader,
         status: Status,
         meta: bytes = b"",
-        data: _Frame | None = None,
+        data: list[memoryview] | None = None,
     ) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        data_len = 0 if data is None else data.nbytes
+        """Send one answer, blocking until the peer took it (at most ``idle_timeout_s``
+        without progress). Raises `_Gone` when the connection broke or stalled."""
+        data = data or []
+        data_len = sum(len(view) for view in data)
         head = pack_frame_header(header.op, status, header.request_id, len(meta), data_len)
-        if data is None:
-            transport.write(head + meta)
-        else:
-            transport.writelines([head + meta, *(memoryview(segment) for segment in data.segments)])
-        self.server._counters["bytes_out"] += HEADER_LEN + len(meta) + data_len
+        parts = [memoryview(head + meta), *data]
+        del data  # the views in ``parts`` go as they are sent (segments may then be pooled)
+        sock = self.sock
+        sock.settimeout(self.server.options.idle_timeout_s)
+        try:
+            while parts:
+                sent = sock.sendmsg(parts[:512])
+                self._active_at = time.monotonic()
+                while sent:
+                    if sent >= len(parts[0]):
+                        sent -= len(parts.pop(0))
+                    else:
+                        parts[0] = parts[0][sent:]
+                        sent = 0
+        except TimeoutError:
+            self.server._count("idle_timeouts")
+            logger.info("tkv server: closing %s: takes none of our answer", self.peer)
+            raise _Gone from None
+        except OSError:
+            raise _Gone from None
+        self.server._count("bytes_out", HEADER_LEN + len(meta) + data_len)
 
     def _reply_error(self, header: FrameHeader, code: ErrorCode, message: str) -> None:
         self._reply(header, Status.ERROR, encode_error(code, message))
 
     def _fatal(self, code: ErrorCode, message: str, request_id: int) -> None:
-        """Answer with an error frame, then close after it is sent."""
+        """Try once, without waiting, to send an error frame; the caller then closes."""
         self.reader.stopped = True
         self._release_put()
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        meta = encode_error(code, message)
-        transport.write(pack_frame_header(0, Status.ERROR, request_id, len(meta)) + meta)
-        transport.close()
+        _send_error_now(self.sock, code, message, request_id)
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+    def shutdown(self, how: int) -> None:
+        """From the loop: wake the thread (``SHUT_RD``: it stops reading; ``SHUT_RDWR``: any
+        send fails too)."""
+        with self._socket_lock:
+            if self._socket_open:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(how)
 
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+
+def _send_error_now(sock: socket.socket, code: ErrorCode, message: str, request_id: int) -> None:
+    """An error frame if it fits in the socket's buffer now; nothing more is owed a peer that
+    does not read."""
+    meta = encode_error(code, message)
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(pack_frame_header(0, Status.ERROR, request_id, len(meta)) + meta)
 
 
 class RemoteCacheServer:
-    """The server; ``async with RemoteCacheServer(options) as server:`` or `start` / `aclose`."""
+    """The server; ``async with RemoteCacheServer(options) as server:`` or `start` / `aclose`.
+
+    `start` and `aclose` run on an event loop, which accepts connections; each accepted one is
+    served by its own thread (see `_Connection`). `stats` may be called from any thread.
+    """
 
     def __init__(self, options: ServerOptions | None = None) -> None:
         self.options = options or ServerOptions()
+        # Guards the store, the counters, the connection set and the buffer accounting.
+        self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._store = _Store(self.options.capacity, self._counters)
+        self._store = _Store(self.options.capacity, self._counters, self._lock)
         self._connections: set[_Connection] = set()
         self._receive_buffer_bytes = 0
         # Where the data of refused PUTs goes, unread: shared, as nobody reads it.
         self._discard = memoryview(bytearray(_DISCARD_BYTES))
-        self._server: asyncio.base_events.Server | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._listener: socket.socket | None = None
+        self._accepter: asyncio.Task[None] | None = None
         self._closing = False
         self._started = time.monotonic()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: _Connection(self), self.options.host, self.options.port, reuse_address=True
-        )
-        self._server = server
         options = self.options
-        timeouts = [t for t in (options.header_timeout_s, options.idle_timeout_s) if t is not None]
-        if timeouts:
-            # A quarter of the shortest timeout (within [10 ms, 1 s]): deadlines are kept
-            # to within that.
-            interval = min(1.0, max(0.01, min(timeouts) / 4))
-            self._watcher = loop.create_task(
-                self._watch_deadlines(interval), name="tkv-server-deadlines"
-            )
+        infos = await loop.getaddrinfo(
+            options.host, options.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(address)
+            listener.listen(min(socket.SOMAXCONN, options.max_connections + 64))
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._accepter = loop.create_task(self._accept(listener), name="tkv-server-accept")
         logger.info("tkv server listening on %s:%d", self.host, self.port)
 
-    async def _watch_deadlines(self, interval: float) -> None:
-        """Every ``interval``, close the connections past a deadline; until `aclose` cancels."""
+    async def _accept(self, listener: socket.socket) -> None:
+        """Admit connections until `aclose` cancels this."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(interval)
-            now = loop.time()
-            for connection in list(self._connections):
-                connection.check_deadlines(now)
+            try:
+                sock, address = await loop.sock_accept(listener)
+            except OSError as exc:  # out of file descriptors, say: try again shortly
+                logger.warning("tkv server: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._admit(sock, str(address))
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        limit = self.options.max_connections
+        connection = _Connection(self, sock, peer)
+        with self._lock:
+            self._counters["connections_total"] += 1
+            open_now = len(self._connections)
+            if open_now >= limit:
+                self._counters["connections_refused"] += 1
+                refusal = (ErrorCode.BUSY, f"{open_now} connections open, max_connections={limit}")
+            elif self._closing:
+                refusal = (ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            else:
+                refusal = None
+                self._connections.add(connection)
+        if refusal is None:
+            connection.thread.start()
+            return
+        if refusal[0] == ErrorCode.BUSY:
+            logger.info("tkv server: refusing %s: %d connections open", peer, open_now)
+        connection.reader.close()
+        _send_error_now(sock, *refusal, 0)
+        sock.close()
+
+    def _connection_closed(self, connection: _Connection) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += amount
 
     def _receive_buffers_changed(self, nbytes: int) -> None:
-        self._receive_buffer_bytes += nbytes
+        with self._lock:
+            self._receive_buffer_bytes += nbytes
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
+        if self._listener is None:
             return self.options.port
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._listener.getsockname()[1])
 
     @property
     def host(self) -> str:
-        if self._server is None or not self._server.sockets:
+        if self._listener is None:
             return self.options.host
-        return str(self._server.sockets[0].getsockname()[0])
+        return str(self._listener.getsockname()[0])
 
     @property
     def url(self) -> str:
@@ -729,47 +827,57 @@ class RemoteCacheServer:
         await self.aclose()
 
     def stats(self) -> dict[str, int | float]:
-        return {
-            "entries": len(self._store.entries),
-            "bytes_used": self._store.used,
-            "bytes_reserved": self._store.reserved,
-            "bytes_pooled": self._store.pooled,
-            "bytes_receive_buffers": self._receive_buffer_bytes,
-            "capacity": self._store.capacity,
-            "connections": len(self._connections),
-            **self._counters,
-            "uptime_s": round(time.monotonic() - self._started, 3),
-        }
+        with self._lock:
+            store = self._store
+            return {
+                "entries": len(store.entries),
+                "bytes_used": store.used,
+                "bytes_reserved": store.reserved,
+                "bytes_pooled": store.pooled,
+                "bytes_receive_buffers": self._receive_buffer_bytes,
+                "capacity": store.capacity,
+                "connections": len(self._connections),
+                **self._counters,
+                "uptime_s": round(time.monotonic() - self._started, 3),
+            }
 
     async def aclose(self, grace_s: float = 5.0) -> None:
-        """Stop listening, let each connection send what it has queued (up to ``grace_s``),
-        then drop the rest and every stored chunk. Safe to call twice."""
-        if self._closing and self._server is None:
+        """Stop listening and reading, let each connection finish the answer it is sending
+        (up to ``grace_s``), then drop the rest, join the threads and drop every stored chunk.
+        Safe to call twice."""
+        if self._closing and self._listener is None:
             return
         self._closing = True
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        connections = list(self._connections)
+        accepter, self._accepter = self._accepter, None
+        if accepter is not None:
+            accepter.cancel()
+            await asyncio.wait([accepter])  # unlike awaiting it, lets our own cancellation through
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            connections = list(self._connections)
         for connection in connections:
-            connection.close()
-        # Only now the first await: no request is read once aclose was called.
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.wait([watcher])  # unlike awaiting it, lets our own cancellation through
-        waiters = [connection.closed for connection in connections]
-        if waiters:
-            _, still_open = await asyncio.wait(waiters, timeout=grace_s)
+            connection.shutdown(socket.SHUT_RD)
+        if not await _joined(connections, grace_s):
             for connection in connections:
-                if not connection.closed.done():
-                    connection.abort()
-            if still_open:
-                await asyncio.wait(still_open, timeout=1.0)
-        if server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), timeout=1.0)
+                connection.shutdown(socket.SHUT_RDWR)
+            if not await _joined(connections, 1.0):
+                stuck = sum(connection.thread.is_alive() for connection in connections)
+                logger.warning("tkv server: %d connection threads did not stop", stuck)
         self._store.clear()
+
+
+async def _joined(connections: list[_Connection], timeout_s: float) -> bool:
+    """Whether every connection's thread ended within ``timeout_s`` (waited for on the loop)."""
+    deadline = time.monotonic() + timeout_s
+    while any(connection.thread.is_alive() for connection in connections):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.005)
+    for connection in connections:
+        connection.thread.join()
+    return True
 
 
 async def serve(options: ServerOptions, *, announce: typing.TextIO | None = None) -> None:
