@@ -19,7 +19,7 @@ import torch
 
 from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, EngineStateError, LayoutError, TieredKVEngine
-from tiered_kv.gpu.base import ChunkTransfer
+from tiered_kv.gpu.base import ChunkTransfer, LayerLoad
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import KVCacheLayout
@@ -301,3 +301,62 @@ def test_the_engines_default_mover_forwards_every_mover_verb() -> None:
     assert {"gather", "scatter", "scatter_layerwise", "begin_gather"} <= set(verbs)
     inherited = [name for name in verbs if name not in vars(DeviceMover)]
     assert not inherited, f"DeviceMover inherits {inherited} instead of forwarding"
+
+
+class RecordingMover(TorchMover):
+    """Counts whole scatters and layer-major ones, and the chunks each moved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    async def scatter(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> None:
+        self.calls.append(("whole", len(transfers)))
+        await super().scatter(layout, block_ids, transfers)
+
+    async def scatter_layerwise(
+        self, layout: KVCacheLayout, block_ids: Sequence[int], transfers: Sequence[ChunkTransfer]
+    ) -> LayerLoad:
+        self.calls.append(("layerwise", len(transfers)))
+        return await super().scatter_layerwise(layout, block_ids, transfers)
+
+
+async def test_a_layerwise_retrieve_of_loading_chunks_copies_each_batch_as_it_arrives(
+    tmp_path: Path,
+) -> None:
+    """Chunks still loading from L2 are scattered in batches while later ones arrive (reads
+    and copies overlap); a prefix all in L1 stays one layer-major copy. Both bit for bit."""
+    num_tokens = CHUNK * 8
+    blocks = num_tokens // BLOCK
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_layers=3, num_blocks=2 * blocks + 2)
+    src = list(range(1, 1 + blocks))
+    dst = [2 * blocks + 1 - i for i in range(blocks)]
+    tokens = _tokens(num_tokens)
+    mover = RecordingMover()
+    config = _config(tmp_path, retrieve_batch_chunks=3, prefetch=False)
+    async with TieredKVEngine(config, mover=mover) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(tokens, src) == num_tokens
+        await engine.flush(timeout=30)
+        reference = caches.snapshot()
+        for evict in (True, False):
+            if evict:
+                assert await engine.evict_l1() > 0
+            mover.calls.clear()
+            poison_blocks(caches, dst)
+            expected = caches.snapshot()
+            load = await engine.retrieve_layerwise(tokens, dst)
+            assert load.result.valid_tokens == num_tokens
+            for layer in range(3):
+                load.wait_layer(layer)
+            await load.wait()
+            expect_copy(caches, expected, reference, src, dst, range(num_tokens), BLOCK)
+            assert caches.bytes_equal(expected), f"evict={evict}"
+            if evict:
+                assert {kind for kind, _ in mover.calls} == {"whole"}
+                assert sum(n for _, n in mover.calls) == 8
+                assert all(n <= 3 for _, n in mover.calls) and len(mover.calls) >= 3
+            else:
+                assert mover.calls == [("layerwise", 8)]

@@ -146,57 +146,49 @@ class Retriever:
     async def whole(self, request: RetrieveRequest) -> RetrieveResult:
         """Scatter chunks in batches as they become ready; the caller's stream is ordered after
         every copy when this returns."""
-        batch: list[ChunkTransfer] = []
-        delivered = request.skip_prefix_tokens
-
-        async def flush() -> None:
-            nonlocal delivered
-            if not batch:
-                return
-            await self._mover.scatter(request.layout, request.block_ids, batch)
-            last = batch[-1]
-            delivered = max(delivered, last.token_start + last.obj.num_tokens)
-            self._counters.retrieved_chunks += len(batch)
-            self._counters.retrieve_scatter_batches += 1
-            for transfer in batch:
-                transfer.obj.unref()
-            batch.clear()
-
-        def add(transfer: ChunkTransfer) -> Awaitable[None] | None:
-            batch.append(transfer)
-            return flush() if len(batch) >= request.batch_chunks else None
-
+        batches = _Batches(self._mover, self._counters, request)
         try:
-            walk = await self._walk(request, add, flush)
-            await flush()
+            walk = await self._walk(request, batches.add, batches.flush)
+            await batches.flush()
         finally:
-            for transfer in batch:
-                transfer.obj.unref()
-            batch.clear()
-        return self._finish(request, walk, delivered)
+            batches.drop()
+        return self._finish(request, walk, batches.delivered)
 
     async def layerwise(self, request: RetrieveRequest) -> LayerwiseRetrieve:
         """Decide every chunk first (waiting for loads per the policy), then enqueue one
-        layer-major scatter of them all; returns with the result before any layer is ready."""
-        taken: list[ChunkTransfer] = []
+        layer-major scatter of them all; returns with the result before any layer is ready.
 
-        async def keep() -> None:
-            """Layer-major needs every chunk at once: nothing to give back early."""
+        A prefix whose chunks must be waited for (loads from L2/L3) is delivered as `whole`
+        delivers it instead: each batch is scattered while the next chunks still arrive, so
+        the host reads and the copies overlap, and the result's layers are all ready (its
+        caller's stream ordered after every copy) when this returns. Layer-major copies could
+        start only once every chunk had arrived."""
+        batches = _Batches(self._mover, self._counters, request)
+        streaming = False
+
+        def take(transfer: ChunkTransfer) -> Awaitable[None] | None:
+            if streaming:
+                return batches.add(transfer)
+            batches.pending.append(transfer)
+            return None
+
+        async def before_wait() -> None:
+            nonlocal streaming
+            streaming = True
+            await batches.flush()
 
         load: LayerLoad = FinishedLayerLoad(request.layout.num_layers)
-        delivered = request.skip_prefix_tokens
         try:
-            walk = await self._walk(request, taken.append, keep)
-            if taken:
+            walk = await self._walk(request, take, before_wait)
+            if streaming:
+                await batches.flush()
+            elif batches.pending:
+                taken = list(batches.pending)  # the mover may keep the list it is given
                 load = await self._mover.scatter_layerwise(request.layout, request.block_ids, taken)
-                last = taken[-1]
-                delivered = last.token_start + last.obj.num_tokens
-                self._counters.retrieved_chunks += len(taken)
-                self._counters.retrieve_scatter_batches += 1
+                batches.count(taken)
         finally:
-            for transfer in taken:  # the mover holds its own references while it copies
-                transfer.obj.unref()
-        return LayerwiseRetrieve(self._finish(request, walk, delivered), load)
+            batches.drop()  # the mover holds its own references while it copies
+        return LayerwiseRetrieve(self._finish(request, walk, batches.delivered), load)
 
     async def _walk(
         self,
@@ -319,6 +311,47 @@ class Retriever:
             walk.failed,
             walk.waited,
         )
+
+
+class _Batches:
+    """The chunks a retrieve has taken and not yet handed to the mover, and what it delivered.
+    Owns one reference to each pending chunk's object until `flush` or `drop`."""
+
+    def __init__(
+        self, mover: KVMover, counters: RetrieveCounters, request: RetrieveRequest
+    ) -> None:
+        self._mover = mover
+        self._counters = counters
+        self._request = request
+        self.pending: list[ChunkTransfer] = []
+        self.delivered = request.skip_prefix_tokens
+
+    def add(self, transfer: ChunkTransfer) -> Awaitable[None] | None:
+        """Keep ``transfer``; a full batch is scattered (the awaitable, for the caller)."""
+        self.pending.append(transfer)
+        return self.flush() if len(self.pending) >= self._request.batch_chunks else None
+
+    async def flush(self) -> None:
+        """Scatter the pending chunks (one whole copy) and drop their references."""
+        if not self.pending:
+            return
+        request = self._request
+        await self._mover.scatter(request.layout, request.block_ids, list(self.pending))
+        self.count(self.pending)
+        self.drop()
+
+    def count(self, transfers: Sequence[ChunkTransfer]) -> None:
+        """``transfers`` were handed to the mover, in one call."""
+        last = transfers[-1]
+        self.delivered = max(self.delivered, last.token_start + last.obj.num_tokens)
+        counters = self._counters
+        counters.retrieved_chunks += len(transfers)
+        counters.retrieve_scatter_batches += 1
+
+    def drop(self) -> None:
+        for transfer in self.pending:
+            transfer.obj.unref()
+        self.pending.clear()
 
 
 @dataclasses.dataclass(slots=True)
