@@ -97,8 +97,11 @@ from bench.ttft_model import (  # noqa: E402
     prefill,
 )
 from tiered_kv import EngineConfig, TieredKVEngine  # noqa: E402
+from tiered_kv.benchmarks import ceilings  # noqa: E402
 from tiered_kv.benchmarks.remote import free_port, process  # noqa: E402
 from tiered_kv.engine import new_event_loop  # noqa: E402
+from tiered_kv.threads import default_io_threads  # noqa: E402
+from tiered_kv.tiers.remote.connector import default_pool_size  # noqa: E402
 
 GiB = 1 << 30
 MODEL_NAME = "llama3-8b-shaped"
@@ -319,6 +322,9 @@ class Report:
     ceiling_label: str = "pinned H2D"
     h2d_gbps: float = 0.0
     disk_gbps: float | None = None
+    # Each lower tier's own ceiling (no tiered_kv code), measured in the run: source -> what
+    # was measured ("what", "gbps" at our thread or connection count, "sweep" of counts).
+    tier_ceilings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     cases: list[Case] = dataclasses.field(default_factory=list)
     slowdown: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -350,6 +356,7 @@ class Report:
             "ceiling_label": self.ceiling_label,
             "h2d_gbps": self.h2d_gbps,
             "disk_gbps": self.disk_gbps,
+            "tier_ceilings": self.tier_ceilings,
             "cases": [c.as_dict() for c in self.cases],
             "slowdown": self.slowdown,
             "checks": self.checks,
@@ -404,6 +411,30 @@ def drop_page_cache(directory: str) -> int:
                 finally:
                     os.close(fd)
     return total
+
+
+def l2_files(directory: str, max_bytes: int) -> list[Path]:
+    """The L2 chunk files, largest prompt's worth at most (``max_bytes``)."""
+    files = sorted(Path(directory).glob("??/*"))
+    out: list[Path] = []
+    total = 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        out.append(path)
+        total += path.stat().st_size
+    return out
+
+
+def ceiling_entry(what: str, sweep: dict[int, float | None], ours: int) -> dict[str, Any]:
+    return {"what": what, "gbps": sweep[ours], "sweep": sweep}
+
+
+def sweep_text(sweep: dict[int, float | None]) -> str:
+    return (
+        ", ".join(f"{n}: " + ("-" if v is None else f"{v:.2f}") for n, v in sorted(sweep.items()))
+        + " GB/s"
+    )
 
 
 def disk_read_ceiling(directory: str, max_bytes: int) -> float | None:
@@ -585,6 +616,8 @@ async def open_engine(
         l2_size=4 * opts.max_prompt_bytes * len(opts.lengths) + GiB,
         l3_url=l3_url,
         l3_timeout_s=60.0,
+        l2_io_threads=default_io_threads(),
+        l3_pool_size=default_pool_size(),
         prefetch_policy="wait_complete",
         prefetch_l1_fraction=0.95,
         close_timeout_s=120.0,
@@ -625,6 +658,15 @@ class Bench:
         # Whether a deterministic reference gave the same bits twice, by (tokens, cached %);
         # cached % 0 stands for the recompute of the whole prompt.
         self.reproducible: dict[tuple[int, int], bool] = {}
+
+    def load_rate(self, tier: str) -> float:
+        """Bytes/s a load from ``tier`` can reach: the pinned H2D ceiling, or the tier's own
+        ceiling where that is lower (L2 warm: page-cache reads; L2 cold: O_DIRECT disk reads;
+        L3: loopback TCP at the client's connection count)."""
+        ceiling = self.report.tier_ceilings.get(tier)
+        if ceiling is None or not ceiling["gbps"]:
+            return self.h2d
+        return min(self.h2d, ceiling["gbps"] * 1e9)
 
     def more_runs(self, times: Sequence[float], reps: int | None = None) -> bool:
         """Whether a case takes another timed run, given the seconds of those so far: ``reps``
@@ -1025,7 +1067,9 @@ class Bench:
                 self.check_timed(f"{name} (timed run {i})", reference, logits)
                 times.append(elapsed)
         ttft = median(times)
-        load_bound = loaded * self.opts.shape.kv_bytes_per_token / self.h2d if loaded else None
+        load_bound = (
+            loaded * self.opts.shape.kv_bytes_per_token / self.load_rate(tier) if loaded else None
+        )
         compute = self.compute_s.get((n, pct)) if pct else self.recompute_s[n]
         bound: float | None
         if load_bound is None:
@@ -1170,6 +1214,21 @@ async def run_bench(opts: Options, bench_type: type[Bench] = Bench) -> Report:
                 await l2_phase(bench, opts, paged, all_requests, l2_path, report)
             if "L3" in opts.tiers:
                 assert l3_url is not None
+                streams = default_pool_size()
+                chunk_bytes = opts.chunk_size * opts.shape.kv_bytes_per_token
+                tcp = {
+                    n: await asyncio.to_thread(
+                        ceilings.loopback_tcp_gbps,
+                        n,
+                        message_bytes=chunk_bytes,
+                        total_bytes=min(opts.max_prompt_bytes, 4 * GiB),
+                    )
+                    for n in sorted({1, 4, 8, streams})
+                }
+                report.tier_ceilings["L3"] = ceiling_entry(
+                    f"loopback TCP, a process per end, {streams} streams", tcp, streams
+                )
+                log(f"L3 ceiling: loopback TCP by 1..8 streams: {sweep_text(tcp)}")
                 async with open_engine(opts, paged, l3_url=l3_url) as engine:
                     for n in opts.lengths:
                         await bench.load_cases(
@@ -1207,10 +1266,23 @@ async def l2_phase(
     """A restart: a new engine on the same directory, L1 empty before every request. Warm
     first (the files just written are in the page cache, as after a process restart), then
     the disk's own read ceiling, then cold reads within the budget."""
+    paths = l2_files(l2_path, opts.max_prompt_bytes)
+    threads = default_io_threads()
+    warm = {n: ceilings.page_cache_read_gbps(paths, n) for n in sorted({1, 4, 8, 16, threads})}
+    report.tier_ceilings["L2 warm"] = ceiling_entry(
+        f"page cache -> memory, readinto, {threads} threads", warm, threads
+    )
+    log(f"L2 warm ceiling: page-cache readinto by 1..16 threads: {sweep_text(warm)}")
     async with open_engine(opts, paged, l2_path=l2_path) as engine:
         evict = evictor(engine)
         for n in opts.lengths:
             await bench.load_cases(engine, "L2 warm", n, all_requests[n], reset=evict)
+        direct = {n: ceilings.direct_read_gbps(paths, n) for n in sorted({1, 4, 16, threads})}
+        if direct[threads] is not None:
+            report.tier_ceilings["L2 cold"] = ceiling_entry(
+                f"disk, O_DIRECT after fadvise, {threads} in flight", direct, threads
+            )
+            log(f"L2 cold ceiling: O_DIRECT reads by 1..16 in flight: {sweep_text(direct)}")
         report.disk_gbps = (disk_read_ceiling(l2_path, opts.disk_probe_bytes) or 0.0) / 1e9
         log(
             f"L2 disk: plain sequential reads at {report.disk_gbps:.2f} GB/s with the page "
@@ -1222,7 +1294,7 @@ async def l2_phase(
             drop_page_cache(l2_path)
 
         budget = opts.cold_budget_s
-        disk = max(report.disk_gbps * 1e9, 1.0)
+        disk = max(report.disk_gbps, (direct[threads] or 0.0)) * 1e9 or 1.0
         for n in opts.lengths:
             for pct in (50, 100):
                 request = all_requests[n][pct]
@@ -1668,10 +1740,15 @@ def print_report(report: Report) -> None:
     )
     for line in summary_lines(report):
         print(line)
+    for tier, ceiling in report.tier_ceilings.items():
+        gbps = ceiling["gbps"]
+        rate = "-" if gbps is None else f"{gbps:.2f} GB/s"
+        print(f"{tier} ceiling: {ceiling['what']}: {rate}")
     print()
     print(
         "bound: whole = load + compute, layerwise = max(load, compute), 0% cached = recompute; "
-        f"load = KV bytes / {report.ceiling_label} ceiling; compute = prefill of the uncached "
+        f"load = KV bytes / min({report.ceiling_label} ceiling, the tier's own ceiling above); "
+        "compute = prefill of the uncached "
         "tokens over the resident prefix; speedup = recompute / TTFT; load GB/s = KV bytes "
         "loaded / TTFT"
     )

@@ -65,6 +65,22 @@ def test_every_case_is_measured_and_tabled(tiny_report: ttft.Report) -> None:
     assert report.as_dict()["cases"]  # the JSON form serializes
 
 
+def test_each_lower_tier_is_bounded_by_its_own_ceiling(tiny_report: ttft.Report) -> None:
+    """L2 warm and L3 loads are bounded by the slower of the H2D ceiling and the tier's own
+    ceiling, measured in the run (page-cache reads, loopback TCP), with its sweep kept."""
+    report = tiny_report
+    warm, l3 = report.tier_ceilings["L2 warm"], report.tier_ceilings["L3"]
+    assert set(warm["sweep"]) >= {1, 4, 8, 16} and set(l3["sweep"]) >= {1, 4, 8}
+    assert warm["gbps"] > 0 and l3["gbps"] > 0
+    for case in report.cases:
+        if case.tier not in report.tier_ceilings or not case.loaded_tokens:
+            continue
+        ceiling = report.tier_ceilings[case.tier]["gbps"]
+        rate = min(report.h2d_gbps, ceiling) * 1e9
+        kv_bytes = case.loaded_tokens * report.kv_bytes_per_token
+        assert case.load_bound_s == pytest.approx(kv_bytes / rate)
+
+
 def test_logits_agree_across_whole_layerwise_tiers_and_recompute(
     tiny_report: ttft.Report,
 ) -> None:

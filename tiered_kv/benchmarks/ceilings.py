@@ -13,7 +13,6 @@ Benchmarks call these in the same run as their own figures and report ratios to 
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import multiprocessing
 import os
@@ -59,6 +58,7 @@ def _parallel(jobs: Sequence[Callable[[], None]], threads: int) -> float:
 
 
 def _readinto_file(path: Path, buffer: memoryview, flags: int = 0) -> None:
+    """Fill ``buffer`` from the start of ``path`` (less at its end)."""
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         filled = 0
@@ -71,19 +71,40 @@ def _readinto_file(path: Path, buffer: memoryview, flags: int = 0) -> None:
         os.close(fd)
 
 
-def page_cache_read_gbps(
-    paths: Sequence[Path], buffers: Sequence[memoryview], threads: int, reps: int = 3
+def _read_files_gbps(
+    paths: Sequence[Path], threads: int, flags: int, make_buffer: Callable[[int], memoryview]
 ) -> float:
-    """GB/s of reading ``paths`` (warm) into ``buffers`` (one each, at least the file's size)
-    by ``threads`` threads; the best of ``reps`` passes after one warm-up pass."""
+    """GB/s of reading every file of ``paths`` whole, each thread into a buffer of its own
+    (``make_buffer(size)``, touched once before timing) one file after another."""
     sizes = [os.path.getsize(path) for path in paths]
-    jobs = [
-        (lambda p=path, b=buffer, n=size: _readinto_file(p, b[:n]))
-        for path, buffer, size in zip(paths, buffers, sizes, strict=True)
-    ]
-    _parallel(jobs, threads)
-    best = min(_parallel(jobs, threads) for _ in range(reps))
-    return sum(sizes) / best / 1e9
+    largest = -(-max(sizes, default=1) // _DIRECT_ALIGN) * _DIRECT_ALIGN
+    local = threading.local()
+
+    def read(path: Path, size: int) -> None:
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            buffer = local.buffer = make_buffer(largest)
+            for offset in range(0, len(buffer), 4096):  # fault its pages in before reading
+                buffer[offset] = 0
+        if flags:
+            size = -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        _readinto_file(path, buffer[:size], flags)
+
+    jobs = [(lambda p=path, n=size: read(p, n)) for path, size in zip(paths, sizes, strict=True)]
+    return sum(sizes) / _parallel(jobs, threads) / 1e9
+
+
+def _anonymous(size: int) -> memoryview:
+    """Page-aligned memory (``O_DIRECT`` needs aligned buffers)."""
+    return memoryview(mmap.mmap(-1, max(size, _DIRECT_ALIGN)))
+
+
+def page_cache_read_gbps(paths: Sequence[Path], threads: int, reps: int = 3) -> float:
+    """GB/s of reading ``paths`` (already in the page cache) by ``threads`` threads with
+    ``readinto``, each into a preallocated buffer; the best of ``reps`` passes after one
+    warm-up pass."""
+    _read_files_gbps(paths, threads, 0, _anonymous)
+    return max(_read_files_gbps(paths, threads, 0, _anonymous) for _ in range(reps))
 
 
 def drop_cached_pages(path: Path) -> None:
@@ -102,26 +123,13 @@ def direct_read_gbps(paths: Sequence[Path], threads: int) -> float | None:
     direct = getattr(os, "O_DIRECT", 0)
     if not direct or not paths:
         return None
-    sizes = [os.path.getsize(path) for path in paths]
-    rounded = [-(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN for size in sizes]
-    maps = [mmap.mmap(-1, max(n, _DIRECT_ALIGN)) for n in rounded]  # page-aligned
     try:
-        try:
-            _readinto_file(paths[0], memoryview(maps[0])[: rounded[0]], direct)
-        except OSError:
-            return None
-        for path in paths:
-            drop_cached_pages(path)
-        jobs = [
-            (lambda p=path, m=area, n=size: _readinto_file(p, memoryview(m)[:n], direct))
-            for path, area, size in zip(paths, maps, rounded, strict=True)
-        ]
-        elapsed = _parallel(jobs, threads)
-    finally:
-        for area in maps:
-            with contextlib.suppress(BufferError):
-                area.close()
-    return sum(sizes) / elapsed / 1e9
+        _readinto_file(paths[0], _anonymous(_DIRECT_ALIGN), direct)
+    except OSError:
+        return None
+    for path in paths:
+        drop_cached_pages(path)
+    return _read_files_gbps(paths, threads, direct, _anonymous)
 
 
 def _send_streams(port: int, streams: int, message_bytes: int, messages: int) -> None:

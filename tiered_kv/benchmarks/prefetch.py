@@ -134,13 +134,12 @@ async def _measure(args: argparse.Namespace, workdir: Path) -> list[Row]:
     try:
         threads = l2.read_parallelism
         paths = sorted(p for p in (workdir / "l2").glob("??/*") if p.is_file())
-        buffers = [memoryview(bytearray(p.stat().st_size)) for p in paths]
-        sweep = {n: ceilings.page_cache_read_gbps(paths, buffers, n) for n in THREAD_SWEEP}
+        sweep = {n: ceilings.page_cache_read_gbps(paths, n) for n in THREAD_SWEEP}
         log("page cache -> memory, readinto: " + _sweep_text(sweep, "threads"))
         # The ceiling at our thread count, before and after ours (the better of the two).
-        before = ceilings.page_cache_read_gbps(paths, buffers, threads)
+        before = ceilings.page_cache_read_gbps(paths, threads)
         warm = await _time_prefetch(engine, tokens, args.reps)
-        ceiling = max(before, ceilings.page_cache_read_gbps(paths, buffers, threads))
+        ceiling = max(before, ceilings.page_cache_read_gbps(paths, threads))
         ours = total / statistics.median(warm) / 1e9
         log(f"L2 warm: ours {ours:.2f} GB/s, readinto x{threads} {ceiling:.2f} GB/s")
         rows.append(Row("L2 warm (page cache)", ours, ceiling, f"readinto, {threads} threads"))
