@@ -48,11 +48,14 @@ from tiered_kv.layout import MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.tiers.l3_remote import RemoteTier
 from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
+from tiered_kv.tiers.remote.connector import default_pool_size
 from tiered_kv.tiers.remote.redis import RedisConnector
 
 MiB = 1 << 20
 CHUNK_TOKENS = 256
 LAYERS = 32  # 32 layers x 256 tokens x 8 heads x 128 x bf16 x K/V = 32 MiB per chunk
+STRIPED_CHUNKS = 16  # chunks of one striped load (a 4k-token prompt)
+IN_FLIGHT = 8  # loads in flight, as EngineConfig.prefetch_concurrency's default
 
 
 def log(message: str) -> None:
@@ -137,26 +140,75 @@ while True:
 """
 
 
-def raw_ceiling(size: int, count: int) -> tuple[float, list[float]]:
-    port = free_port()
-    payload = memoryview(os.urandom(size))
-    receiver = [sys.executable, "-c", RECEIVER, str(port), str(size)]
-    with process(receiver, port), socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(payload)  # warm-up
-        sock.recv(1)
-        best, best_times = 0.0, []
+SENDER = """
+import os, socket, sys, time
+size, count = int(sys.argv[2]), int(sys.argv[3])
+payload = memoryview(os.urandom(size))
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+sock.sendall(payload)  # warm-up
+sock.recv(1)
+print("ready", flush=True)
+for _ in sys.stdin:  # one batch per line
+    started = time.monotonic()
+    for _ in range(count):
+        sock.sendall(payload)
+        if sock.recv(1) != b"k":
+            sys.exit("receiver went away")
+    print(started, time.monotonic(), flush=True)
+"""
+
+
+def raw_ceiling(size: int, count: int, streams: int) -> float:
+    """GB/s of ``streams`` loopback streams at once, each a sender process and a receiver
+    process moving ``count`` messages of ``size`` bytes; best of three batches."""
+    with contextlib.ExitStack() as stack:
+        senders = []
+        for _ in range(streams):
+            port = free_port()
+            stack.enter_context(
+                process([sys.executable, "-c", RECEIVER, str(port), str(size)], port)
+            )
+            sender = subprocess.Popen(
+                [sys.executable, "-c", SENDER, str(port), str(size), str(count)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            stack.callback(_stop, sender)
+            senders.append(sender)
+        for sender in senders:
+            _read_line(sender)  # "ready"
+        best = 0.0
         for _ in range(3):  # best of three batches: the VM's loopback speed wanders
-            times = []
-            for _ in range(count):
-                started = time.perf_counter()
-                sock.sendall(payload)
-                if sock.recv(1) != b"k":
-                    raise RuntimeError("receiver went away")
-                times.append(time.perf_counter() - started)
-            gbps = size * count / sum(times) / 1e9
-            if gbps > best:
-                best, best_times = gbps, times
-    return best, best_times
+            for sender in senders:
+                assert sender.stdin is not None
+                sender.stdin.write("go\n")
+                sender.stdin.flush()
+            spans = [tuple(map(float, _read_line(sender).split())) for sender in senders]
+            wall = max(end for _, end in spans) - min(start for start, _ in spans)
+            best = max(best, size * count * streams / wall / 1e9)
+    return best
+
+
+def _read_line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a raw socket sender exited with {proc.wait()}")
+    return line
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 # -- chunk objects ------------------------------------------------------------------------------
@@ -183,61 +235,60 @@ def empty_obj(arena: HostArena, layout: MemoryLayoutDesc) -> MemoryObj:
 
 # -- 2/3. a tier under load ---------------------------------------------------------------------
 async def put_get(
-    make_tier: Callable[[], RemoteTier],
+    tier: RemoteTier,
     layout: MemoryLayoutDesc,
     arena: HostArena,
-    clients: int,
+    chunks: int,
+    in_flight: int,
     rounds: int,
     label: str,
 ) -> dict[str, float]:
+    """PUT then GET ``chunks`` chunks through ``tier``, at most ``in_flight`` at once (the
+    prefetch controller's way: one `get_into` per chunk), ``rounds`` times; GB/s and latency."""
     scope = KeyScope("bench", "m", "", 1, 0, layout.layout_id)
-    tiers = [make_tier() for _ in range(clients)]
-    for tier in tiers:
-        await tier.open()
-    sources = [filled_obj(arena, layout, seed) for seed in range(clients)]
-    sinks = [empty_obj(arena, layout) for _ in range(clients)]
-    keys = [chunk_keys(scope, [i] * CHUNK_TOKENS, CHUNK_TOKENS)[0] for i in range(clients)]
+    await tier.open()
+    sources = [filled_obj(arena, layout, seed) for seed in range(chunks)]
+    sinks = [empty_obj(arena, layout) for _ in range(chunks)]
+    keys = [chunk_keys(scope, [i] * CHUNK_TOKENS, CHUNK_TOKENS)[0] for i in range(chunks)]
     put_times: list[float] = []
     get_times: list[float] = []
     frame_bytes = 0
+    limit = asyncio.Semaphore(in_flight)
 
     async def timed(op: Callable[[], Awaitable[bool]], into: list[float]) -> None:
-        started = time.perf_counter()
-        if not await op():
-            raise RuntimeError(f"{label}: an operation failed")
-        into.append(time.perf_counter() - started)
+        async with limit:
+            started = time.perf_counter()
+            if not await op():
+                raise RuntimeError(f"{label}: an operation failed")
+            into.append(time.perf_counter() - started)
 
     async def all_rounds(ops: list[Callable[[], Awaitable[bool]]], into: list[float]) -> float:
-        """Wall seconds of ``rounds`` rounds, each running ``ops`` (one per client) together."""
+        """Wall seconds of ``rounds`` rounds, each running ``ops`` (one per chunk)."""
         started = time.perf_counter()
         for _ in range(rounds):
             await asyncio.gather(*(timed(op, into) for op in ops))
         return time.perf_counter() - started
 
     try:
-        for index in range(clients):  # warm-up: connect, first allocation on the server
-            await tiers[index].put(keys[index], sources[index])
-        frame_bytes = tiers[0].stats().bytes_written
+        for key, source in zip(keys, sources, strict=True):  # warm-up: connect, allocate
+            await tier.put(key, source)
+        frame_bytes = tier.stats().bytes_written // chunks
         put_wall = await all_rounds(
-            [functools.partial(t.put, k, o) for t, k, o in zip(tiers, keys, sources, strict=True)],
+            [functools.partial(tier.put, k, o) for k, o in zip(keys, sources, strict=True)],
             put_times,
         )
         get_wall = await all_rounds(
-            [
-                functools.partial(t.get_into, k, o)
-                for t, k, o in zip(tiers, keys, sinks, strict=True)
-            ],
+            [functools.partial(tier.get_into, k, o) for k, o in zip(keys, sinks, strict=True)],
             get_times,
         )
         for source, sink in zip(sources, sinks, strict=True):
             if not torch.equal(source.raw(), sink.raw()):
                 raise RuntimeError(f"{label}: a GET returned other bytes than were PUT")
     finally:
-        for tier in tiers:
-            await tier.aclose()
+        await tier.aclose()
         for obj in (*sources, *sinks):
             obj.unref()
-    moved = frame_bytes * clients * rounds
+    moved = frame_bytes * chunks * rounds
     result = {
         "put_gbps": moved / put_wall / 1e9,
         "get_gbps": moved / get_wall / 1e9,
@@ -247,7 +298,7 @@ async def put_get(
         "get_p99_ms": percentile(get_times, 0.99) * 1e3,
     }
     log(
-        f"{label} x{clients}: PUT {result['put_gbps']:.2f} GB/s "
+        f"{label}: PUT {result['put_gbps']:.2f} GB/s "
         f"(p50 {result['put_p50_ms']:.1f} ms, p99 {result['put_p99_ms']:.1f} ms), "
         f"GET {result['get_gbps']:.2f} GB/s "
         f"(p50 {result['get_p50_ms']:.1f} ms, p99 {result['get_p99_ms']:.1f} ms)"
@@ -281,33 +332,47 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     rounds = 4 if args.quick else 12
     size = 32 * MiB
     layout = chunk_layout()
+    connections = default_pool_size()
     has_redis = shutil.which("redis-server") is not None
-    progress = Progress(7 if has_redis else 4, "remote", plain_lines=7)
+    stream_counts = sorted({1, 2, 4, 8, connections} if args.quick else set(range(1, 9)))
+    progress = Progress(len(stream_counts) + (7 if has_redis else 4), "remote", plain_lines=7)
     log(f"chunk: {layout.nbytes(CHUNK_TOKENS)} bytes of KV; {os.cpu_count()} CPUs")
-    raw_gbps, raw_times = raw_ceiling(size, 8 if args.quick else 24)
-    progress.advance("raw socket ceiling measured")
-    log(
-        f"raw socket: {raw_gbps:.2f} GB/s, p50 {percentile(raw_times, 0.5) * 1e3:.1f} ms per 32 MiB"
-    )
-    arena = HostArena(24 * 32 * MiB + 64 * MiB, pin=False)
+    raw: dict[int, float] = {}
+    for streams in stream_counts:
+        raw[streams] = raw_ceiling(size, 4 if args.quick else 12, streams)
+        progress.advance(f"raw socket x{streams}")
+        log(f"raw socket, {streams} streams: {raw[streams]:.2f} GB/s")
+    arena = HostArena((2 * STRIPED_CHUNKS + 2) * 32 * MiB, pin=False)
     results: dict[str, dict[str, float]] = {}
     exists: dict[str, float] = {}
+    striped = f"x{connections}"
     try:
         tkv_port = free_port()
         serve = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(tkv_port)]
         with process([*serve, "--capacity", "2GiB"], tkv_port):
 
-            def tkv_tier() -> RemoteTier:
-                options = ClientOptions(pool_size=1, timeout_s=60)
+            def tkv_tier(pool_size: int | None) -> RemoteTier:
+                options = ClientOptions(pool_size=pool_size, timeout_s=60)
                 client = RemoteClient("127.0.0.1", tkv_port, options=options)
                 return RemoteTier(TkvConnector(client), timeout_s=60)
 
-            for clients in (1, 8):
-                results[f"tkv x{clients}"] = await put_get(
-                    tkv_tier, layout, arena, clients, rounds, "tkv"
-                )
-                progress.advance(f"tkv x{clients}")
-            exists["tkv"] = await exists_latency(tkv_tier, 50 if args.quick else 200, "tkv")
+            results["tkv x1"] = await put_get(
+                tkv_tier(1), layout, arena, 1, 1, rounds, "tkv, 1 connection, 1 in flight"
+            )
+            progress.advance("tkv x1")
+            results[f"tkv {striped}"] = await put_get(
+                tkv_tier(None),
+                layout,
+                arena,
+                STRIPED_CHUNKS,
+                IN_FLIGHT,
+                max(1, rounds // 2),
+                f"tkv, {connections} connections, {IN_FLIGHT} in flight",
+            )
+            progress.advance(f"tkv {striped}")
+            exists["tkv"] = await exists_latency(
+                lambda: tkv_tier(None), 50 if args.quick else 200, "tkv"
+            )
             progress.advance("tkv EXISTS")
         if not has_redis:
             log("redis-server not found: skipping the Redis rows")
@@ -320,17 +385,26 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                 with process(redis_args, redis_port):
                     url = f"redis://127.0.0.1:{redis_port}/0"
 
-                    def redis_tier() -> RemoteTier:
-                        connector = RedisConnector(url, timeout_s=60, max_connections=2)
+                    def redis_tier(pool_size: int) -> RemoteTier:
+                        connector = RedisConnector(url, timeout_s=60, max_connections=pool_size)
                         return RemoteTier(connector, timeout_s=60)
 
-                    for clients in (1, 8):
-                        results[f"redis x{clients}"] = await put_get(
-                            redis_tier, layout, arena, clients, rounds, "redis"
-                        )
-                        progress.advance(f"redis x{clients}")
+                    results["redis x1"] = await put_get(
+                        redis_tier(1), layout, arena, 1, 1, rounds, "redis, 1 in flight"
+                    )
+                    progress.advance("redis x1")
+                    results[f"redis {striped}"] = await put_get(
+                        redis_tier(connections),
+                        layout,
+                        arena,
+                        STRIPED_CHUNKS,
+                        IN_FLIGHT,
+                        max(1, rounds // 2),
+                        f"redis, {connections} connections, {IN_FLIGHT} in flight",
+                    )
+                    progress.advance(f"redis {striped}")
                     exists["redis"] = await exists_latency(
-                        redis_tier, 50 if args.quick else 200, "redis"
+                        lambda: redis_tier(connections), 50 if args.quick else 200, "redis"
                     )
                     progress.advance("redis EXISTS")
     finally:
@@ -339,22 +413,25 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
         if leaked:
             log(f"warning: {leaked} arena bytes still referenced")
 
+    ceiling = {"x1": raw[1], striped: raw[connections]}
     if plt is not None:
         png = args.out / "remote.png"
         bar_chart(
             plt,
             png,
             f"loopback, 32 MiB chunks, {os.cpu_count()} CPUs; raw socket measured in the same run",
-            list(results),
+            [*results, *(f"raw x{n}" for n in raw)],
             {
-                "PUT": [row["put_gbps"] for row in results.values()],
-                "GET": [row["get_gbps"] for row in results.values()],
+                "PUT": [row["put_gbps"] for row in results.values()] + [None] * len(raw),
+                "GET": [row["get_gbps"] for row in results.values()] + [None] * len(raw),
+                "raw socket": [None] * len(results) + list(raw.values()),
             },
             "GB/s",
-            reference=(raw_gbps, f"raw socket {raw_gbps:.2f} GB/s"),
         )
         print(f"plot: {png}")
-    print(f"\nloopback, 32 MiB chunks, {os.cpu_count()} CPUs; raw socket {raw_gbps:.2f} GB/s")
+    print(f"\nloopback, 32 MiB chunks, {os.cpu_count()} CPUs; tkv connections: {connections}")
+    print("raw socket, GB/s by streams (a sender and a receiver process each):")
+    print("  " + "  ".join(f"x{n} {gbps:.2f}" for n, gbps in raw.items()))
     print(f"{'path':<12}{'PUT GB/s':>10}{'p50/p99 ms':>16}{'GET GB/s':>10}{'p50/p99 ms':>16}")
     for name, row in results.items():
         print(
@@ -366,17 +443,18 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     for name, p50 in exists.items():
         print(f"EXISTS x512 {name}: p50 {p50:.3f} ms")
     print("\nratios (target)")
-    for clients in (1, 8):
-        ours = results[f"tkv x{clients}"]
-        print(f"  tkv x{clients} PUT / raw socket   {ours['put_gbps'] / raw_gbps:6.2f}  (>= 0.70)")
-        print(f"  tkv x{clients} GET / raw socket   {ours['get_gbps'] / raw_gbps:6.2f}  (>= 0.70)")
-        theirs = results.get(f"redis x{clients}")
+    for shape, streams in (("x1", 1), (striped, connections)):
+        ours = results[f"tkv {shape}"]
+        bound = ceiling[shape]
+        print(f"  tkv {shape} PUT / raw x{streams}  {ours['put_gbps'] / bound:6.2f}  (>= 0.70)")
+        print(f"  tkv {shape} GET / raw x{streams}  {ours['get_gbps'] / bound:6.2f}  (>= 0.70)")
+        theirs = results.get(f"redis {shape}")
         if theirs is not None:
             put_ratio = ours["put_gbps"] / theirs["put_gbps"]
             get_ratio = ours["get_gbps"] / theirs["get_gbps"]
-            print(f"  tkv x{clients} PUT / redis        {put_ratio:6.2f}  (>= 2)")
-            print(f"  tkv x{clients} GET / redis        {get_ratio:6.2f}  (>= 2)")
-    print(f"  tkv EXISTS x512 p50 ms        {exists['tkv']:6.3f}  (< 2)")
+            print(f"  tkv {shape} PUT / redis     {put_ratio:6.2f}  (>= 2)")
+            print(f"  tkv {shape} GET / redis     {get_ratio:6.2f}  (>= 2)")
+    print(f"  tkv EXISTS x512 p50 ms     {exists['tkv']:6.3f}  (< 2)")
     return 0
 
 

@@ -54,6 +54,7 @@ from tiered_kv.tiers.remote.connector import (
     RemoteConnector,
     default_pool_size,
 )
+from tiered_kv.tiers.remote.net import resolve
 from tiered_kv.tiers.remote.protocol import (
     DEFAULT_LIMITS,
     HEADER_LEN,
@@ -153,15 +154,16 @@ class _Closed(Exception):
 class _DataConnection:
     """One connection and the thread that owns its socket.
 
-    Loop side: `submit`, `abandon`, `install`, `dead_while_idle`, `stop`; ``load`` (requests
-    submitted and not yet resolved on the loop) is loop-only. Thread side: `_run`. Both sides
+    Loop side: `submit`, `abandon`, `resolve`, `install`, `dead_while_idle`, `stop`, and the
+    counts ``load`` and ``submitted``. Thread side: `_run`. Both sides
     take ``_lock`` to change the queue, the socket or a request's state.
     """
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, limits: ProtocolLimits) -> None:
         self.name = name
         self.limits = limits
-        self.load = 0
+        self.load = 0  # requests that picked this connection and are not resolved yet
+        self.submitted = 0  # those of them handed to the thread
         self.connect_lock = asyncio.Lock()
         self._loop = loop
         self._lock = threading.Lock()
@@ -210,7 +212,7 @@ class _DataConnection:
                 raise RemoteUnavailable(f"{self.name}: connection closed")
             self._queue.append(request)
             self._wake.notify()
-        self.load += 1
+        self.submitted += 1
 
     def abandon(self, request: _Request) -> bool:
         """The caller gives up on ``request``. Returns whether the caller must wait for its
@@ -221,6 +223,7 @@ class _DataConnection:
                 self._queue.remove(request)
                 request.state = _State.DONE
                 self.load -= 1
+                self.submitted -= 1
                 return False
             if request.state is _State.DONE or not request.lends_buffers:
                 return False  # an answer to nobody is read and dropped
@@ -232,6 +235,7 @@ class _DataConnection:
     def resolve(self, request: _Request, outcome: _Answer | BaseException) -> None:
         """On the loop: the thread is done with ``request``."""
         self.load -= 1
+        self.submitted -= 1
         if request.future.done():
             return
         if isinstance(outcome, BaseException):
@@ -462,7 +466,7 @@ class RemoteClient:
 
     async def _ready(self, connection: _DataConnection) -> None:
         """Connect ``connection`` if it is not (or its idle socket died)."""
-        if connection.load == 0 and connection.connected and not connection.dead_while_idle():
+        if connection.connected and (connection.submitted or not connection.dead_while_idle()):
             return
         async with connection.connect_lock:
             if connection.connected:
@@ -504,7 +508,7 @@ class RemoteClient:
     async def _open_socket(self) -> socket.socket:
         """A non-blocking socket connected to the first of the host's addresses that answers."""
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        infos = await resolve(self.host, self.port)
         error = OSError(f"no address for {self.host}")
         for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
@@ -562,16 +566,21 @@ class RemoteClient:
         try:
             async with asyncio.timeout(timeout_s):
                 connection = self._pick()
-                await self._ready(connection)
-                request = _Request(
-                    op,
-                    meta,
-                    asyncio.get_running_loop().create_future(),
-                    data=[_bytes_view(part) for part in data],
-                    sink=sink,
-                    collect=collect,
-                )
-                connection.submit(request)
+                connection.load += 1  # counted from here, so concurrent picks spread out
+                try:
+                    await self._ready(connection)
+                    request = _Request(
+                        op,
+                        meta,
+                        asyncio.get_running_loop().create_future(),
+                        data=[_bytes_view(part) for part in data],
+                        sink=sink,
+                        collect=collect,
+                    )
+                    connection.submit(request)
+                except BaseException:
+                    connection.load -= 1
+                    raise
                 return await self._wait(connection, request)
         except TimeoutError:
             raise RemoteTimeout(

@@ -40,6 +40,7 @@ import typing
 from tiered_kv.codec import DEFAULT_LIMITS as CODEC_LIMITS
 from tiered_kv.codec import PREFIX_LEN, ChunkHeader, CodecLimits, decode_header, header_length
 from tiered_kv.errors import CodecError, ConfigError, ProtocolError
+from tiered_kv.tiers.remote.net import resolve
 from tiered_kv.tiers.remote.protocol import (
     DEFAULT_LIMITS,
     HEADER_LEN,
@@ -734,9 +735,7 @@ class RemoteCacheServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         options = self.options
-        infos = await loop.getaddrinfo(
-            options.host, options.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
+        infos = await resolve(options.host, options.port, passive=True)
         family, kind, proto, _, address = infos[0]
         listener = socket.socket(family, kind, proto)
         try:
