@@ -1,10 +1,15 @@
 """What the benchmarks share: the error for "cannot run here", percentiles, the engine's loop,
-the optional plotting library and a bar chart. No benchmark logic here."""
+the optional plotting library, a bar chart, and a helper process on a free loopback port. No
+benchmark logic here."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,3 +97,56 @@ def bar_chart(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(
+    port: int, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Until something listens on ``port``; raises when ``proc`` (the server) exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def process(
+    args: list[str],
+    port: int,
+    *,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    timeout_s: float = 15.0,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``args`` in its own process until something listens on ``port``; stopped on exit. Its
+    output goes to ``log_path`` (whose tail an early exit reports), else nowhere."""
+    if log_path is None:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    else:
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        try:
+            wait_port(port, timeout_s, proc)
+        except RuntimeError as exc:
+            if log_path is None or proc.poll() is None:
+                raise
+            raise RuntimeError(f"{exc}: {log_path.read_text(errors='replace')[-2000:]}") from None
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from tiered_kv.benchmarks import ceilings
-from tiered_kv.benchmarks.common import run_on_engine_loop
-from tiered_kv.benchmarks.remote import free_port, process
+from tiered_kv.benchmarks.common import free_port, process, run_on_engine_loop
 from tiered_kv.config import EngineConfig
 from tiered_kv.engine import TieredKVEngine
 from tiered_kv.tiers.base import LowerTier
