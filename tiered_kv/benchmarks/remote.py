@@ -227,9 +227,12 @@ def filled_obj(arena: HostArena, layout: MemoryLayoutDesc, seed: int) -> MemoryO
 
 
 def empty_obj(arena: HostArena, layout: MemoryLayoutDesc) -> MemoryObj:
+    """A chunk's L1 object, its pages touched: a pinned L1 arena has every page resident, and
+    a first-touch fault inside ``recv_into`` would be charged to the transfer."""
     obj = arena.allocate_obj(layout, CHUNK_TOKENS)
     if obj is None:
         raise RuntimeError("arena too small")
+    obj.raw().zero_()
     return obj
 
 
@@ -270,8 +273,9 @@ async def put_get(
         return time.perf_counter() - started
 
     try:
-        for key, source in zip(keys, sources, strict=True):  # warm-up: connect, allocate
-            await tier.put(key, source)
+        for key, source, sink in zip(keys, sources, sinks, strict=True):
+            await tier.put(key, source)  # warm-up: connect, allocate on the server
+            await tier.get_into(key, sink)
         frame_bytes = tier.stats().bytes_written // chunks
         put_wall = await all_rounds(
             [functools.partial(tier.put, k, o) for k, o in zip(keys, sources, strict=True)],

@@ -32,6 +32,7 @@ import logging
 import math
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -389,8 +390,8 @@ class _Connection:
     """One client, served by a thread of its own (`run`): blocking ``recv_into`` feeds a
     `FrameReader`, each request is answered in order with blocking ``sendmsg``.
 
-    Deadlines are socket timeouts set before each receive (the earliest of: AUTH due, the
-    current header and meta due, idle) and each send (idle), so no watcher is needed. The
+    Deadlines are socket timeouts (``SO_RCVTIMEO``: the earliest of AUTH due, the current
+    header and meta due, idle; ``SO_SNDTIMEO``: idle), so no watcher is needed. The
     server may shut the socket down from the loop (`shutdown`); only the thread closes it.
     """
 
@@ -437,22 +438,31 @@ class _Connection:
     def _serve(self) -> None:
         reader = self.reader
         sock = self.sock
+        sock.setblocking(True)
+        _set_socket_timeout(sock, socket.SO_SNDTIMEO, self.server.options.idle_timeout_s)
+        armed = -1.0  # the receive timeout set on the socket: 0.0 none, -1.0 to be set
         while not reader.stopped:
             buffer = reader.get_buffer(-1)
             deadline = self._deadline()
-            if deadline is None:
-                sock.settimeout(None)
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._time_out()
-                    return
-                sock.settimeout(remaining)
-            try:
-                count = sock.recv_into(buffer)
-            except TimeoutError:
+            wanted = 0.0 if deadline is None else deadline - time.monotonic()
+            if deadline is not None and wanted <= 0:
                 self._time_out()
                 return
+            # Setting the timeout is a system call: while data streams in, the bound (the idle
+            # timeout from the last byte) barely moves, so it is set again only when it must
+            # shrink by over 1% or goes. A bound that grew may fire early: checked below.
+            if armed < 0 or (wanted == 0.0) != (armed == 0.0) or wanted < armed * 0.99:
+                _set_socket_timeout(sock, socket.SO_RCVTIMEO, wanted or None)
+                armed = wanted
+            try:
+                count = sock.recv_into(buffer)
+            except BlockingIOError:  # SO_RCVTIMEO passed
+                deadline = self._deadline()
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._time_out()
+                    return
+                armed = -1.0  # fired early: set the bound again
+                continue
             except OSError:
                 return
             if not count:
@@ -664,7 +674,6 @@ class _Connection:
         parts = [memoryview(head + meta), *data]
         del data  # the views in ``parts`` go as they are sent (segments may then be pooled)
         sock = self.sock
-        sock.settimeout(self.server.options.idle_timeout_s)
         try:
             while parts:
                 sent = sock.sendmsg(parts[:512])
@@ -675,7 +684,7 @@ class _Connection:
                     else:
                         parts[0] = parts[0][sent:]
                         sent = 0
-        except TimeoutError:
+        except BlockingIOError:  # SO_SNDTIMEO passed without a byte taken
             self.server._count("idle_timeouts")
             logger.info("tkv server: closing %s: takes none of our answer", self.peer)
             raise _Gone from None
@@ -699,6 +708,12 @@ class _Connection:
             if self._socket_open:
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(how)
+
+
+def _set_socket_timeout(sock: socket.socket, option: int, seconds: float | None) -> None:
+    """``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` of a blocking socket (None: no bound)."""
+    whole = 0.0 if seconds is None else max(seconds, 0.001)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", int(whole), int(whole % 1 * 1e6)))
 
 
 def _send_error_now(sock: socket.socket, code: ErrorCode, message: str, request_id: int) -> None:
