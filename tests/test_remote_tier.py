@@ -319,6 +319,8 @@ def test_tier_factory_by_scheme(tmp_path: Path) -> None:
     tier = remote_tier(_config(l3_url="tkv://127.0.0.1:7474", l3_timeout_s=0.5))
     assert isinstance(tier, RemoteTier)
     assert tier.connector.description == "tkv://127.0.0.1:7474"
+    options = tier.connector.client.options  # type: ignore[attr-defined]
+    assert options.pool_size == _config().l3_pool_size  # None: sized from the machine
     for url in ("redis://h:1/0", "valkey://h:1", "rediss://:pw@h:1", "redis+cluster://h:1"):
         tier = remote_tier(_config(l3_url=url))
         assert "pw" not in tier.connector.description

@@ -16,7 +16,7 @@ from tiered_kv.config import EngineConfig, L3Url, parse_l3_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l3_remote import RemoteTier, read_token_file
-from tiered_kv.tiers.remote.connector import RemoteConnector
+from tiered_kv.tiers.remote.connector import RemoteConnector, default_pool_size
 
 ConnectorFactory = Callable[[EngineConfig, L3Url, "bytes | None"], RemoteConnector]
 
@@ -25,6 +25,7 @@ def _tkv_connector(config: EngineConfig, url: L3Url, token: bytes | None) -> Rem
     from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
 
     assert url.port is not None  # parse_l3_url refuses a tkv:// URL without one
+    # l3_pool_size None sizes the pool from the machine (`default_pool_size`).
     options = ClientOptions(pool_size=config.l3_pool_size, timeout_s=config.l3_timeout_s)
     return TkvConnector(RemoteClient(url.host, url.port, token=token, options=options))
 
@@ -32,13 +33,14 @@ def _tkv_connector(config: EngineConfig, url: L3Url, token: bytes | None) -> Rem
 def _redis_connector(config: EngineConfig, url: L3Url, token: bytes | None) -> RemoteConnector:
     from tiered_kv.tiers.remote.redis import RedisConnector
 
+    pool_size: int | None = config.l3_pool_size  # None: sized from the machine
     return RedisConnector(
         url.url,
         key_prefix=config.l3_key_prefix,
         ttl_s=config.l3_ttl_s,
         timeout_s=config.l3_timeout_s,
         password=None if token is None else token.decode("utf-8", "replace"),
-        max_connections=max(config.l3_pool_size, 8),
+        max_connections=max(default_pool_size() if pool_size is None else pool_size, 8),
     )
 
 
