@@ -1,19 +1,22 @@
-"""Remote-tier (L3) benchmark on loopback, with the socket ceiling measured in the same run.
+"""Remote-tier (L3) benchmark on loopback, with the socket ceilings measured in the same run.
 
 Measures, in one run:
-1. The raw ceiling: a plain sender / receiver pair of processes moving 32 MiB messages over a
-   loopback TCP socket (blocking sendall / recv_into a preallocated buffer, a 1-byte ack per
-   message, so it is paced like a request / response); best of three batches.
+1. The raw ceilings: 1..8 loopback TCP streams at once (``--quick``: 1, 2, 4, 8 and our
+   connection count), each a sender process and a receiver process moving 32 MiB messages
+   (blocking sendall / recv_into a preallocated buffer, a 1-byte ack per message, so it is
+   paced like a request / response); best of three batches.
 2. Our server (``tiered-kv serve`` in its own process) through `RemoteTier`: PUT (checksum,
-   frame, send) and GET (receive straight into the L1 buffer, verify) of 32 MiB chunks, one
-   client and 8 concurrent clients (each its own tier and connection); GB/s, p50 / p99 latency.
-3. The same through redis-server (own process) and `RedisConnector`.
+   frame, send) and GET (receive straight into the L1 buffer, verify) of 32 MiB chunks: one
+   connection with one request at a time (``x1``, against the 1-stream ceiling), and the
+   prefetch's shape, a 16-chunk load with 8 `get_into` in flight over the client's default
+   pool (``xK``, K = `default_pool_size`, against the K-stream ceiling); GB/s, p50 / p99.
+3. The same through redis-server (own process) and `RedisConnector` (pool of 1, then K).
 4. ``contains_many`` of 512 keys (one round trip) against both.
 
 Usage: ``tiered-kv bench remote [--quick] [--out DIR] [--no-plot]`` (or ``python
 bench/remote.py`` in a clone). Details go to stderr; the table of ratios is printed last on
-stdout; ``DIR/remote.png`` (needs the ``bench`` extra: matplotlib) plots PUT and GET GB/s against
-the raw socket.
+stdout; ``DIR/remote.png`` (needs the ``bench`` extra: matplotlib) plots PUT and GET GB/s beside
+the raw socket by streams.
 """
 
 from __future__ import annotations
@@ -361,7 +364,7 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                 return RemoteTier(TkvConnector(client), timeout_s=60)
 
             results["tkv x1"] = await put_get(
-                tkv_tier(1), layout, arena, 1, 1, rounds, "tkv, 1 connection, 1 in flight"
+                tkv_tier(1), layout, arena, 1, 1, 4 * rounds, "tkv, 1 connection, 1 in flight"
             )
             progress.advance("tkv x1")
             results[f"tkv {striped}"] = await put_get(
@@ -394,7 +397,7 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                         return RemoteTier(connector, timeout_s=60)
 
                     results["redis x1"] = await put_get(
-                        redis_tier(1), layout, arena, 1, 1, rounds, "redis, 1 in flight"
+                        redis_tier(1), layout, arena, 1, 1, 4 * rounds, "redis, 1 in flight"
                     )
                     progress.advance("redis x1")
                     results[f"redis {striped}"] = await put_get(
