@@ -226,6 +226,7 @@ class Options:
     # Pause after filling L2/L3, before the next timed work (`Bench.fill_lower` says why).
     settle_s: float = 5.0
     l2_dir: str | None = None
+    l2_io_threads: int | None = None  # None: sized from the machine, as the engine's default
     tiers: tuple[str, ...] = ("L1", "L2", "L3")
     seed: int = 0
     # How the model's timed prefills launch: "graphs" (CUDA graphs per layer, as a serving
@@ -616,7 +617,7 @@ async def open_engine(
         l2_size=4 * opts.max_prompt_bytes * len(opts.lengths) + GiB,
         l3_url=l3_url,
         l3_timeout_s=60.0,
-        l2_io_threads=default_io_threads(),
+        l2_io_threads=opts.l2_io_threads or default_io_threads(),
         l3_pool_size=default_pool_size(),
         prefetch_policy="wait_complete",
         prefetch_l1_fraction=0.95,
@@ -1027,6 +1028,7 @@ class Bench:
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
         reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
         await self.runner.prepare(request, request.compute_from)
+        waited_before = engine.stats()["engine"]["retrieve_waited_seconds"]
         for i in self.run_indexes(times, reps):
             if reset is not None:
                 await reset()
@@ -1067,6 +1069,9 @@ class Bench:
                 self.check_timed(f"{name} (timed run {i})", reference, logits)
                 times.append(elapsed)
         ttft = median(times)
+        # Time retrieve spent waiting for loads (L2/L3 reads), per run: what the reads cost.
+        waited = engine.stats()["engine"]["retrieve_waited_seconds"] - waited_before
+        runs = len(times) + 1  # the correctness pass included
         load_bound = (
             loaded * self.opts.shape.kv_bytes_per_token / self.load_rate(tier) if loaded else None
         )
@@ -1095,7 +1100,9 @@ class Bench:
         ratio = f", {case.ratio:.2f}x its bound" if case.ratio is not None else ""
         log(
             f"[{n}] {tier} {mode} {pct}% cached: TTFT {1e3 * ttft:.1f} ms{ratio}, speedup "
-            f"{case.speedup:.2f}x over recomputing ({len(times)} runs)"
+            f"{case.speedup:.2f}x over recomputing ({len(times)} runs"
+            + (f"; retrieve waited {1e3 * waited / runs:.1f} ms a run" if waited else "")
+            + ")"
             + (
                 f"; {len(collected)} garbage collections in them, the longest "
                 f"{1e3 * max(collected):.1f} ms"
@@ -1267,7 +1274,7 @@ async def l2_phase(
     first (the files just written are in the page cache, as after a process restart), then
     the disk's own read ceiling, then cold reads within the budget."""
     paths = l2_files(l2_path, opts.max_prompt_bytes)
-    threads = default_io_threads()
+    threads = opts.l2_io_threads or default_io_threads()
     warm = {n: ceilings.page_cache_read_gbps(paths, n) for n in sorted({1, 4, 8, 16, threads})}
     report.tier_ceilings["L2 warm"] = ceiling_entry(
         f"page cache -> memory, readinto, {threads} threads", warm, threads
@@ -1700,6 +1707,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
     parser.add_argument("--tiers", default="L1,L2,L3", help="which of L1, L2, L3 to load from")
     parser.add_argument("--l2-dir", help="parent of the L2 directory (default: the temp dir)")
     parser.add_argument(
+        "--l2-threads", type=int, help="L2's I/O threads (default: sized from the machine)"
+    )
+    parser.add_argument(
         "--cold-budget-s", type=float, help="estimated seconds of cold-L2 disk reads allowed"
     )
     parser.add_argument(
@@ -1707,7 +1717,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, argparse.Nam
     )
     args = parser.parse_args(argv)
     base = tiny_options() if args.tiny else Options()
-    changes: dict[str, Any] = {"l2_dir": args.l2_dir}
+    changes: dict[str, Any] = {"l2_dir": args.l2_dir, "l2_io_threads": args.l2_threads}
     changes["tiers"] = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
     if args.device:
         changes["device"] = args.device

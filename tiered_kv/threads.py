@@ -127,7 +127,10 @@ class BlockingPool:
             if self._closing:
                 raise EngineStateError(f"{self.name}: the pool is closed")
             self._queue.append(job)
+            # A thread counted idle here has not been woken yet: each wake-up takes one off,
+            # so a burst of jobs wakes as many threads (or starts new ones), never one twice.
             if self._idle:
+                self._idle -= 1
                 self._work.notify()
             elif len(self._threads) < self.size:
                 self._start_thread()
@@ -144,9 +147,8 @@ class BlockingPool:
         while True:
             with self._lock:
                 while not self._queue and not self._closing:
-                    self._idle += 1
+                    self._idle += 1  # the waker takes it off again
                     self._work.wait()
-                    self._idle -= 1
                 if not self._queue:
                     return
                 job = self._queue.popleft()
