@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import os
 import shutil
 import socket
@@ -52,7 +53,6 @@ from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.tiers.l3_remote import RemoteTier
 from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
 from tiered_kv.tiers.remote.connector import default_pool_size
-from tiered_kv.tiers.remote.redis import RedisConnector
 
 MiB = 1 << 20
 CHUNK_TOKENS = 256
@@ -340,7 +340,9 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     size = 32 * MiB
     layout = chunk_layout()
     connections = default_pool_size()
-    has_redis = shutil.which("redis-server") is not None
+    has_redis = (
+        shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
+    )
     stream_counts = sorted({1, 2, 4, 8, connections} if args.quick else set(range(1, 9)))
     progress = Progress(len(stream_counts) + (7 if has_redis else 4), "remote", plain_lines=7)
     log(f"chunk: {layout.nbytes(CHUNK_TOKENS)} bytes of KV; {os.cpu_count()} CPUs")
@@ -382,7 +384,7 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
             )
             progress.advance("tkv EXISTS")
         if not has_redis:
-            log("redis-server not found: skipping the Redis rows")
+            log("redis-server or the redis extra (redis-py) not found: skipping the Redis rows")
         else:
             redis_port = free_port()
             with tempfile.TemporaryDirectory() as directory:
@@ -391,6 +393,8 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                 redis_args += ["--proto-max-bulk-len", "1gb"]
                 with process(redis_args, redis_port):
                     url = f"redis://127.0.0.1:{redis_port}/0"
+
+                    from tiered_kv.tiers.remote.redis import RedisConnector  # the redis extra
 
                     def redis_tier(pool_size: int) -> RemoteTier:
                         connector = RedisConnector(url, timeout_s=60, max_connections=pool_size)
