@@ -6,9 +6,12 @@ and raises on failure (`RemoteError`, `OSError`, a client library's own errors);
 every failure into a miss or a skipped store.
 
 Contract for implementers:
-- Loop-only: every method runs on the engine's event loop.
+- Loop-only: every method is called on the engine's event loop. A connector may move the
+  bytes on threads of its own (the tkv client receives into the sink and feeds its hasher on
+  a connection's thread), never on the loop's default executor.
 - Buffers belong to the caller. `put` reads ``frame``'s parts and `get_into` writes the sink's
-  buffers only until it returns or raises (cancellation included); neither keeps them.
+  buffers only until it returns or raises (cancellation included): a thread still using them
+  is stopped and waited for first. Neither keeps them.
 - `get_into` fills ``sink.header`` then ``sink.payload`` in order and feeds every payload byte
   to ``sink.hasher``; a stored frame whose length is not ``sink.total_len`` is SIZE_MISMATCH
   and nothing is promised about the buffers then.
