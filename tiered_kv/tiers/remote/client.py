@@ -79,6 +79,9 @@ _PIPELINE_BYTES = 64 << 10
 # Requests sent and not yet answered on one connection, at most.
 _MAX_IN_FLIGHT = 256
 _DISCARD_BYTES = 1 << 20
+# Payload is received in pieces of this size at most (MSG_WAITALL), each hashed while it is
+# still in cache.
+_RECEIVE_PIECE = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -362,7 +365,11 @@ class _DataConnection:
                 answer.size_mismatch = True
         if sink is not None:
             while not sink.complete:
-                count = sock.recv_into(sink.target())
+                target = sink.target()
+                # Whole pieces: one system call and one hash update per piece, not per packet.
+                piece = min(len(target), _RECEIVE_PIECE)
+                count = sock.recv_into(target, piece, socket.MSG_WAITALL)
+                del target
                 if not count:
                     raise _Closed("closed by the server mid-answer")
                 sink.advance(count)

@@ -138,6 +138,7 @@ class ServerOptions:
 
 _FIRST_SEGMENT = 64 << 10
 _DISCARD_BYTES = 64 << 10
+_RECEIVE_PIECE = 1 << 20  # a PUT's data is received in pieces of this size (MSG_WAITALL)
 
 
 class _Frame:
@@ -455,7 +456,11 @@ class _Connection:
                 _set_socket_timeout(sock, socket.SO_RCVTIMEO, wanted or None)
                 armed = wanted
             try:
-                count = sock.recv_into(buffer)
+                if reader.receiving_data and len(buffer) > _RECEIVE_PIECE:
+                    # A PUT's data: whole pieces, one system call each, not one per packet.
+                    count = sock.recv_into(buffer, _RECEIVE_PIECE, socket.MSG_WAITALL)
+                else:
+                    count = sock.recv_into(buffer)
             except BlockingIOError:  # SO_RCVTIMEO passed
                 deadline = self._deadline()
                 if deadline is not None and time.monotonic() >= deadline:
