@@ -30,6 +30,7 @@ from tiered_kv.errors import EngineStateError, L2DirectoryInUseError, TieredKVEr
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.threads import write_threads
 from tiered_kv.tiers import l2_disk
 from tiered_kv.tiers.l2_disk import DiskStats, DiskTier, FileOps, scan_directory
 from tiered_kv.tiers.testing import FullDiskFileOps
@@ -1136,3 +1137,44 @@ async def test_stats_are_a_frozen_snapshot_of_numbers(tier: DiskTier) -> None:
     }
     assert expected <= set(fields)
     assert all(isinstance(value, int | float) for value in fields.values())
+
+
+class StalledWrites(FileOps):
+    """Writes wait for ``release`` (a disk stuck on writes); reads go through."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.stalled = threading.Semaphore(0)
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.stalled.release()
+        assert self.release.wait(30), "the test never released the writes"
+        return super().pwrite(fd, data, offset)
+
+
+async def test_reads_are_never_queued_behind_writes(root: Path, arena: HostArena) -> None:
+    """Writes stuck on the disk fill every write thread; a read still runs on the read
+    threads, bit for bit."""
+    ops = StalledWrites()
+    tier = DiskTier(root, BIG, file_ops=ops, io_threads=4)
+    await tier.open()
+    keys = make_keys(6)
+    sources = [make_obj(arena, seed=i) for i in range(6)]
+    target = poisoned_obj(arena)
+    try:
+        ops.release.set()
+        assert await tier.put(keys[0], sources[0])
+        ops.release.clear()
+        writes = [asyncio.ensure_future(tier.put(k, o)) for k, o in zip(keys[1:], sources[1:])]
+        for _ in range(write_threads(4)):  # every write thread is stuck now
+            assert await asyncio.to_thread(ops.stalled.acquire, True, 10)
+        assert await asyncio.wait_for(tier.get_into(keys[0], target), 10)
+        assert same_groups(sources[0], target)
+        assert not any(write.done() for write in writes)
+        ops.release.set()
+        assert all(await asyncio.gather(*writes))
+    finally:
+        ops.release.set()
+        for obj in (*sources, target):
+            obj.unref()
+        await tier.aclose()

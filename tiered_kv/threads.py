@@ -42,6 +42,12 @@ def default_io_threads() -> int:
     return max(MIN_IO_THREADS, min(MAX_IO_THREADS, os.cpu_count() or 1))
 
 
+def write_threads(read_threads: int) -> int:
+    """Threads for a tier's writes beside ``read_threads`` for its reads: a quarter, 2 to 4
+    (writes wait on fsync; more of them only queue at the disk)."""
+    return max(2, min(4, read_threads // 4))
+
+
 def check_thread_count(name: str, value: object) -> int:
     """``value`` as a thread count (an int >= 1); `ConfigError` naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -13,6 +13,7 @@ Benchmarks call these in the same run as their own figures and report ratios to 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import multiprocessing
 import os
@@ -26,26 +27,27 @@ from pathlib import Path
 _DIRECT_ALIGN = 4096
 
 
-def _parallel(jobs: Sequence[Callable[[], None]], threads: int) -> float:
-    """Run ``jobs`` on ``threads`` threads (each takes the next job); the wall time."""
+def _parallel(jobs: Sequence[Callable[[int], None]], threads: int) -> float:
+    """Run ``jobs`` on ``threads`` threads (each takes the next job and calls it with its own
+    index, 0 to ``threads - 1``); the wall time."""
     lock = threading.Lock()
     pending = list(reversed(jobs))
     errors: list[BaseException] = []
 
-    def worker() -> None:
+    def worker(index: int) -> None:
         while True:
             with lock:
                 if not pending or errors:
                     return
                 job = pending.pop()
             try:
-                job()
+                job(index)
             except BaseException as exc:
                 with lock:
                     errors.append(exc)
                 return
 
-    workers = [threading.Thread(target=worker) for _ in range(max(1, threads))]
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(max(1, threads))]
     started = time.perf_counter()
     for thread in workers:
         thread.start()
@@ -75,22 +77,23 @@ def _read_files_gbps(
     paths: Sequence[Path], threads: int, flags: int, make_buffer: Callable[[int], memoryview]
 ) -> float:
     """GB/s of reading every file of ``paths`` whole, each thread into a buffer of its own
-    (``make_buffer(size)``, touched once before timing) one file after another."""
+    (``make_buffer(size)``, its pages faulted in before timing) one file after another."""
     sizes = [os.path.getsize(path) for path in paths]
     largest = -(-max(sizes, default=1) // _DIRECT_ALIGN) * _DIRECT_ALIGN
-    local = threading.local()
+    buffers = [make_buffer(largest) for _ in range(max(1, threads))]
+    for buffer in buffers:
+        for offset in range(0, len(buffer), 4096):
+            buffer[offset] = 0
 
-    def read(path: Path, size: int) -> None:
-        buffer = getattr(local, "buffer", None)
-        if buffer is None:
-            buffer = local.buffer = make_buffer(largest)
-            for offset in range(0, len(buffer), 4096):  # fault its pages in before reading
-                buffer[offset] = 0
+    def read(worker: int, path: Path, size: int) -> None:
         if flags:
             size = -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
-        _readinto_file(path, buffer[:size], flags)
+        _readinto_file(path, buffers[worker][:size], flags)
 
-    jobs = [(lambda p=path, n=size: read(p, n)) for path, size in zip(paths, sizes, strict=True)]
+    jobs = [
+        functools.partial(read, path=path, size=size)
+        for path, size in zip(paths, sizes, strict=True)
+    ]
     return sum(sizes) / _parallel(jobs, threads) / 1e9
 
 
@@ -185,7 +188,7 @@ def loopback_tcp_gbps(
                         conn.sendall(b"\x01")
 
                 jobs = [
-                    (lambda c=conn, b=buffer: receive(c, b))
+                    (lambda _worker, c=conn, b=buffer: receive(c, b))
                     for conn, buffer in zip(conns, buffers, strict=True)
                 ]
                 elapsed = _parallel(jobs, streams)

@@ -30,8 +30,10 @@ Must not: keep `MemoryObj`s or change their reference counts, hand out bytes who
 not verified, or touch a caller's buffers after the call that lent them has returned.
 
 Threads: every method runs on the engine's event loop; file I/O and hashing run on the tier's
-own `BlockingPool` (``io_threads`` threads, sized from the machine by default), one hop per
-put / get, so a request's chunks are read in parallel, each straight into its L1 object. A
+own `BlockingPool`s, one hop per put / get: reads on ``io_threads`` threads (sized from the
+machine by default), so a request's chunks are read in parallel, each straight into its L1
+object; writes, unlinks and recency stamps on a smaller pool of their own (`write_threads`),
+so a burst of writes never queues a load behind it. A
 cancelled call tells its thread to stop and waits for it before cancellation propagates, so a
 released `MemoryObj` is never written. Not aiofiles: its await returns as soon as its task is
 cancelled while the thread keeps going, and it leaves the hashing on the loop
@@ -85,7 +87,7 @@ from tiered_kv.errors import (
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
-from tiered_kv.threads import BlockingPool, check_abort, default_io_threads
+from tiered_kv.threads import BlockingPool, check_abort, default_io_threads, write_threads
 from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 
 logger = logging.getLogger(__name__)
@@ -693,7 +695,9 @@ class DiskTier(LowerTier):
         self.limits = limits
         self.file_ops = file_ops
         threads = default_io_threads() if io_threads is None else io_threads
-        self._pool = BlockingPool("tkv-l2", threads)
+        # Reads have threads of their own: a burst of writes never queues a load behind it.
+        self._read_pool = BlockingPool("tkv-l2-read", threads)
+        self._pool = BlockingPool("tkv-l2-write", write_threads(threads))
         self._lock = _DirectoryLock(self.root, file_ops)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
@@ -736,7 +740,9 @@ class DiskTier(LowerTier):
             self._bytes_used = 0
             # A failed open may be tried again: its threads end, a new pool serves the retry.
             await self._pool.aclose()
+            await self._read_pool.aclose()
             self._pool = BlockingPool(self._pool.name, self._pool.size)
+            self._read_pool = BlockingPool(self._read_pool.name, self._read_pool.size)
             raise
         self._state = "open"
         logger.info(
@@ -750,7 +756,7 @@ class DiskTier(LowerTier):
 
     @property
     def read_parallelism(self) -> int:
-        return self._pool.size
+        return self._read_pool.size
 
     async def aclose(self) -> None:
         """Release the directory lock and join the I/O threads. Await or cancel this tier's
@@ -762,6 +768,7 @@ class DiskTier(LowerTier):
         self._index.clear()
         self._bytes_used = 0
         await self._pool.aclose()
+        await self._read_pool.aclose()
 
     def _check_open(self, verb: str) -> None:
         if self._state != "open":
@@ -1033,7 +1040,7 @@ class DiskTier(LowerTier):
         )
         started = time.perf_counter()
         try:
-            outcome, detail = await self._pool.run(read, abort)
+            outcome, detail = await self._read_pool.run(read, abort)
         except Exception:
             self._counters["read_failures"] += 1
             self._counters["misses"] += 1
