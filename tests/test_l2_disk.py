@@ -1165,7 +1165,8 @@ async def test_reads_are_never_queued_behind_writes(root: Path, arena: HostArena
         ops.release.set()
         assert await tier.put(keys[0], sources[0])
         ops.release.clear()
-        writes = [asyncio.ensure_future(tier.put(k, o)) for k, o in zip(keys[1:], sources[1:])]
+        pairs = zip(keys[1:], sources[1:], strict=True)
+        writes = [asyncio.ensure_future(tier.put(key, obj)) for key, obj in pairs]
         for _ in range(write_threads(4)):  # every write thread is stuck now
             assert await asyncio.to_thread(ops.stalled.acquire, True, 10)
         assert await asyncio.wait_for(tier.get_into(keys[0], target), 10)
