@@ -12,7 +12,8 @@ from tiered_kv.threads import Aborted, BlockingPool, check_abort, default_io_thr
 
 
 def _pool_threads(name: str) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(f"{name}-")]
+    """The pool's workers (named ``<pool>-<index>``)."""
+    return [t for t in threading.enumerate() if t.name.removeprefix(f"{name}-").isdigit()]
 
 
 async def test_jobs_run_in_parallel_on_at_most_size_threads() -> None:
