@@ -248,6 +248,10 @@ def test_l3_options_validate_and_come_from_env() -> None:
     )
     assert (config.l3_timeout_s, config.l3_ttl_s, config.l3_pool_size) == (0.5, 60.0, 2)
     assert (config.l3_key_prefix, config.l3_token_file) == ("p", "/t")
+    assert EngineConfig().l3_pool_size is None  # sized from the machine by the connector
+    assert EngineConfig.from_env({"TIERED_KV_L3_POOL_SIZE": "auto"}).l3_pool_size is None
+    with pytest.raises(ConfigError, match=r"^l3_pool_size: expected None or an int"):
+        EngineConfig(l3_pool_size="4")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("field", ["namespace", "fingerprint"])

@@ -101,7 +101,8 @@ class EngineConfig:
         when the URL has none).
     l3_key_prefix: first part of Redis key names (``<prefix>:<namespace>:<chunk>``).
     l3_ttl_s: Redis expiry of stored chunks in seconds; None keeps them until evicted.
-    l3_pool_size: connections per remote store.
+    l3_pool_size: connections per remote store, each received on its own thread (``tkv://``);
+        None (the default) sizes it from the machine (one per core, 4 to 8).
     namespace: tenant / cache salt; two namespaces never share a chunk.
     fingerprint: model weights / version tag; part of every key.
     lower_write_queue: chunks that may wait for their background write, per lower tier (L2,
@@ -149,7 +150,7 @@ class EngineConfig:
     l3_token_file: str | None = None
     l3_key_prefix: str = "tkv"
     l3_ttl_s: float | None = None
-    l3_pool_size: int = 4
+    l3_pool_size: int | None = None
     namespace: str = ""
     fingerprint: str = ""
     lower_write_queue: int = _DEFAULT_WRITE_QUEUE
@@ -289,9 +290,11 @@ class EngineConfig:
             ttl = self.l3_ttl_s
             if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
                 raise ConfigError(f"l3_ttl_s: must be a number > 0 or None, got {ttl!r}")
-        if isinstance(self.l3_pool_size, bool) or not isinstance(self.l3_pool_size, int):
-            raise ConfigError(f"l3_pool_size: expected int, got {self.l3_pool_size!r}")
-        if not 1 <= self.l3_pool_size <= 1024:
+        if self.l3_pool_size is None:
+            pass
+        elif isinstance(self.l3_pool_size, bool) or not isinstance(self.l3_pool_size, int):
+            raise ConfigError(f"l3_pool_size: expected None or an int, got {self.l3_pool_size!r}")
+        elif not 1 <= self.l3_pool_size <= 1024:
             raise ConfigError(f"l3_pool_size: must be in [1, 1024], got {self.l3_pool_size}")
 
     @property
@@ -389,6 +392,8 @@ def parse_l3_url(url: object) -> L3Url:
 
 def _l3_from_env_string(name: str, raw: str) -> Any:
     if name == "l3_pool_size":
+        if raw.strip().lower() in ("", "auto", "none"):
+            return None
         try:
             return int(raw)
         except ValueError:
