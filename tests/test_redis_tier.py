@@ -4,6 +4,7 @@ corrupt values, TTL, failures as misses. Needs redis-server: see tests/remote_fi
 from __future__ import annotations
 
 import asyncio
+import os
 import urllib.parse
 from pathlib import Path
 
@@ -24,7 +25,10 @@ from tests.remote_fixtures import (  # noqa: F401
     tokens_for,
 )
 from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.codec import GroupSpec, encode_chunk
+from tiered_kv.keys import KeyScope, chunk_keys
 from tiered_kv.tiers.l3_remote import RemoteTier
+from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink
 from tiered_kv.tiers.remote.redis import RedisConnector, redis_key_name
 
 
@@ -188,3 +192,37 @@ def test_unknown_scheme_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="scheme"):
         RedisConnector("memcached://h:1")
+
+
+async def test_more_concurrent_requests_than_connections_wait_for_one(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    """A load's chunks spread over the pool; those beyond it wait for a connection (a blocking
+    pool) instead of failing with "Too many connections"."""
+    keys = chunk_keys(KeyScope("t", "m", "", 1, 0, "x"), list(range(12 * 16)), 16)
+    payloads = [os.urandom(50_000 + index) for index in range(12)]
+    frames = [
+        encode_chunk(key.to_bytes(), 16, [GroupSpec("uint8", (len(p),))], [p])
+        for key, p in zip(keys, payloads, strict=True)
+    ]
+    connector = RedisConnector(redis_url, key_prefix=key_prefix, max_connections=2)
+    await connector.open()
+    try:
+        await asyncio.gather(
+            *(
+                connector.put(key, frame, sum(len(part) for part in frame))
+                for key, frame in zip(keys, frames, strict=True)
+            )
+        )
+        sinks = [
+            FrameSink(bytearray(len(frame[0])), [memoryview(bytearray(len(p)))])
+            for frame, p in zip(frames, payloads, strict=True)
+        ]
+        statuses = await asyncio.gather(
+            *(connector.get_into(key, sink) for key, sink in zip(keys, sinks, strict=True))
+        )
+        assert statuses == [FetchStatus.HIT] * len(keys)
+        assert [bytes(sink.payload[0]) for sink in sinks] == payloads
+    finally:
+        await connector.aclose()

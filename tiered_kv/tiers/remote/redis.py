@@ -8,7 +8,10 @@ shards never collide; the frame's key bytes are still compared on every read. Pe
 keeps ``{`` and ``}`` out of names, so no hash tag pins a tenant to one Cluster slot.
 
 Batches go out as one non-transactional pipeline: a single round trip on one node, one per node
-holding any of the keys in Cluster mode (no MULTI, so cross-slot keys are fine).
+holding any of the keys in Cluster mode (no MULTI, so cross-slot keys are fine). Concurrent
+requests (the chunks of a load) spread over the client's pool of ``max_connections``: on a
+single node a blocking pool, so requests beyond it wait for a connection rather than fail; in
+Cluster mode redis-py's pool per node.
 
 Copies: redis-py needs a value as one argument, so `put` joins header and payload into one
 buffer (one memcpy per chunk), and `get_into` copies the reply into the L1 buffers, hashing each
@@ -77,6 +80,7 @@ class RedisConnector(RemoteConnector):
         self.description = describe_url(url)
         self.key_prefix = key_prefix
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._timeout_s = timeout_s
         self._kwargs: dict[str, Any] = {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
@@ -96,7 +100,12 @@ class RedisConnector(RemoteConnector):
             # that is down at start-up costs misses, not a failed engine start.
             self._client = None
         else:
-            self._client = redis.asyncio.Redis.from_url(self._url, **self._kwargs)
+            # A blocking pool: requests beyond max_connections wait for a connection (within
+            # the tier's timeout) instead of failing with "Too many connections".
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self._url, timeout=self._timeout_s, **self._kwargs
+            )
+            self._client = redis.asyncio.Redis.from_pool(pool)
 
     async def _redis(self) -> Any:
         if self._client is not None:
