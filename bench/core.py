@@ -45,6 +45,7 @@ import torch
 import xxhash
 
 from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.benchmarks.ceilings import drop_cached_pages
 from tiered_kv.benchmarks.progress import Progress, print_line
 from tiered_kv.codec import encoded_header_len
 from tiered_kv.engine import new_event_loop
@@ -349,15 +350,6 @@ def raw_read_one(path: Path, obj: MemoryObj, first: int = 0) -> None:
                 if not count:
                     raise RuntimeError(f"{path}: short read")
                 filled += count
-
-
-def drop_cached_pages(path: Path) -> None:
-    """posix_fadvise(DONTNEED): the kernel drops the file's clean cached pages (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 async def cancel_safe(awaitable: Awaitable[Any]) -> Any:

@@ -397,23 +397,6 @@ def h2d_ceiling(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return nbytes / best
 
 
-def drop_page_cache(directory: str) -> int:
-    """posix_fadvise(DONTNEED) on every file under ``directory`` (written and fsynced, so
-    clean: the kernel drops them); returns the bytes advised."""
-    total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with contextlib.suppress(OSError):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    total += os.fstat(fd).st_size
-                finally:
-                    os.close(fd)
-    return total
-
-
 def l2_files(directory: str, max_bytes: int) -> list[Path]:
     """The L2 chunk files, largest prompt's worth at most (``max_bytes``)."""
     files = sorted(Path(directory).glob("??/*"))
@@ -444,7 +427,7 @@ def disk_read_ceiling(directory: str, max_bytes: int) -> float | None:
     files = sorted(
         os.path.join(root, name) for root, _, names in os.walk(directory) for name in names
     )
-    drop_page_cache(directory)
+    ceilings.drop_page_cache(directory)
     buffer = bytearray(64 << 20)
     view = memoryview(buffer)
     total = 0
@@ -1298,7 +1281,7 @@ async def l2_phase(
 
         async def cold() -> None:
             await engine.evict_l1()
-            drop_page_cache(l2_path)
+            ceilings.drop_page_cache(l2_path)
 
         budget = opts.cold_budget_s
         disk = max(report.disk_gbps, (direct[threads] or 0.0)) * 1e9 or 1.0

@@ -37,6 +37,8 @@ import tempfile
 import time
 from typing import Any
 
+from tiered_kv.benchmarks.ceilings import drop_page_cache
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "vllm" / "vllm_runner.py"
 BLOCK = 32
@@ -70,19 +72,6 @@ def _run(workdir: pathlib.Path, name: str, spec: dict[str, Any]) -> dict[str, An
     return result
 
 
-def _drop_page_cache(directory: pathlib.Path) -> int:
-    dropped = 0
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                dropped += 1
-            finally:
-                os.close(fd)
-    return dropped
-
-
 def _copy_seconds(nbytes: int, repeats: int = 5) -> float:
     """Best time to copy ``nbytes`` between two host tensors (the memory-copy floor of a load)."""
     import torch
@@ -100,7 +89,7 @@ def _copy_seconds(nbytes: int, repeats: int = 5) -> float:
 def _read_seconds(directory: pathlib.Path) -> tuple[int, float]:
     """Bytes in ``directory``'s files and the time to read them all with plain reads, right after
     dropping them from the page cache (the disk's ceiling for an L2 hit)."""
-    _drop_page_cache(directory)
+    drop_page_cache(directory)
     total = 0
     started = time.perf_counter()
     for path in sorted(directory.rglob("*")):
@@ -108,7 +97,7 @@ def _read_seconds(directory: pathlib.Path) -> tuple[int, float]:
             with open(path, "rb", buffering=0) as f:
                 total += len(f.read())
     seconds = time.perf_counter() - started
-    _drop_page_cache(directory)
+    drop_page_cache(directory)
     return total, seconds
 
 
