@@ -19,7 +19,8 @@ import xxhash
 from tests.remote_fixtures import tkv_server  # noqa: F401
 from tiered_kv.codec import GroupSpec, encode_chunk
 from tiered_kv.errors import RemoteError, RemoteTimeout, RemoteUnavailable
-from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient
+from tiered_kv.tiers.l3_remote import RemoteTier
+from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
 from tiered_kv.tiers.remote.connector import FetchStatus, default_pool_size
 from tiered_kv.tiers.remote.protocol import (
     DEFAULT_LIMITS,
@@ -152,6 +153,9 @@ def test_pool_size_defaults_to_the_machine_and_is_validated() -> None:
     assert ClientOptions().connections == default_pool_size()
     assert 4 <= default_pool_size() <= 8
     assert ClientOptions(pool_size=2).connections == 2
+    # The tier keeps one load in flight per connection (prefetch's per-tier limit).
+    client = RemoteClient("127.0.0.1", 1, options=ClientOptions(pool_size=3))
+    assert RemoteTier(TkvConnector(client)).read_parallelism == 3
     for bad in (0, -1, 2.0, True):
         with pytest.raises(RemoteError, match="pool_size"):
             ClientOptions(pool_size=bad)  # type: ignore[arg-type]

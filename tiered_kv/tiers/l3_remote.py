@@ -112,6 +112,11 @@ class RemoteTier(LowerTier):
         self._read_seconds = 0.0
         self._state = "new"
 
+    @property
+    def read_parallelism(self) -> int:
+        """The connector's connections: one load in flight per connection."""
+        return self.connector.connections
+
     # -- lifetime ---------------------------------------------------------------------------
     async def open(self) -> None:
         if self._state != "new":

@@ -722,6 +722,10 @@ class TkvConnector(RemoteConnector):
         self.client = client
         self.description = f"tkv://{client.host}:{client.port}"
 
+    @property
+    def connections(self) -> int:
+        return self.client.options.connections
+
     async def open(self) -> None:
         return None  # connections open lazily, so a server that is down only costs misses
 

@@ -87,6 +87,12 @@ class RemoteConnector(abc.ABC):
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Drop keys; which were present."""
 
+    @property
+    def connections(self) -> int:
+        """Requests the connector serves at once (its connections): the tier's
+        ``read_parallelism``, so a load keeps each connection busy."""
+        return default_pool_size()
+
     async def remote_stats(self) -> Mapping[str, int | float]:
         """The store's own counters, where it has any (one round trip)."""
         return {}

@@ -91,6 +91,10 @@ class RedisConnector(RemoteConnector):
         self._client: Any = None
         self._init_lock = asyncio.Lock()
 
+    @property
+    def connections(self) -> int:
+        return int(self._kwargs["max_connections"])
+
     def name(self, key: ChunkKey) -> str:
         return redis_key_name(self.key_prefix, key)
 
