@@ -48,11 +48,11 @@ from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.benchmarks.ceilings import drop_cached_pages
 from tiered_kv.benchmarks.progress import Progress, print_line
 from tiered_kv.codec import encoded_header_len
-from tiered_kv.engine import new_event_loop
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_hashes, chunk_keys, token_bytes
 from tiered_kv.layout import GroupLayout, KVCacheLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
+from tiered_kv.sync import new_event_loop
 from tiered_kv.tiers.l2_disk import DiskTier
 
 MiB = 1 << 20

@@ -99,7 +99,7 @@ from bench.ttft_model import (  # noqa: E402
 from tiered_kv import EngineConfig, TieredKVEngine  # noqa: E402
 from tiered_kv.benchmarks import ceilings  # noqa: E402
 from tiered_kv.benchmarks.common import free_port, process  # noqa: E402
-from tiered_kv.engine import new_event_loop  # noqa: E402
+from tiered_kv.sync import new_event_loop  # noqa: E402
 from tiered_kv.threads import default_io_threads  # noqa: E402
 from tiered_kv.tiers.remote.connector import default_pool_size  # noqa: E402
 

@@ -30,7 +30,7 @@ import torch
 
 import bench.ttft as tt
 from bench.ttft_model import LLAMA3_8B, PagedKV, build_model
-from tiered_kv.engine import new_event_loop
+from tiered_kv.sync import new_event_loop
 
 
 class TimedLoad:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 import bench.ttft as tt
-from tiered_kv.engine import TieredKVEngine, new_event_loop
+from tiered_kv.engine import TieredKVEngine
+from tiered_kv.sync import new_event_loop
 
 STALLED = 1.15  # a run over this times the fastest of its comparison counts as stalled
 

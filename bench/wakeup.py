@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.benchmarks.progress import Progress
-from tiered_kv.engine import new_event_loop
+from tiered_kv.sync import new_event_loop
 
 IDLE_S = 0.020
 

@@ -66,10 +66,8 @@ def test_blocking_verbs_have_the_async_verbs_signatures() -> None:
         blocking, original = getattr(SyncTieredKVEngine, name), getattr(TieredKVEngine, name)
         assert inspect.signature(blocking) == inspect.signature(original), name
         assert blocking.__doc__ == original.__doc__, name
-    # Moved to tiered_kv.sync; the old import path still works.
-    assert tiered_kv.engine.SyncTieredKVEngine is SyncTieredKVEngine
-    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
-        _ = tiered_kv.engine.nonexistent
+    # The blocking facade lives in tiered_kv.sync only (no alias back in engine: no cycle).
+    assert not hasattr(tiered_kv.engine, "SyncTieredKVEngine")
 
 
 async def test_use_before_open_and_after_close_raise() -> None:

@@ -17,8 +17,9 @@ import torch
 
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.config import EngineConfig, format_size
-from tiered_kv.engine import TieredKVEngine, new_event_loop
+from tiered_kv.engine import TieredKVEngine
 from tiered_kv.keys import ChunkKey
+from tiered_kv.sync import new_event_loop
 
 
 # -- demo ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
@@ -29,6 +29,7 @@ from tiered_kv.keys import ChunkKey, KeyMemo, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena
+from tiered_kv.metrics import EngineCounters
 from tiered_kv.prefetch import PrefetchController, PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest
 from tiered_kv.retrieval import RetrieveResult as RetrieveResult  # re-exported: public here too
@@ -49,31 +50,6 @@ class Registration:
     worker_id: int
     layout: KVCacheLayout
     scope: KeyScope
-
-
-@dataclasses.dataclass(slots=True)
-class EngineCounters:
-    """The engine's own counters (calls, tokens); `statistics` hands out a copy."""
-
-    store_calls: int = 0
-    stored_chunks: int = 0
-    stored_tokens: int = 0
-    store_skipped_present: int = 0
-    store_skipped_no_space: int = 0
-    lookup_calls: int = 0
-    lookup_hit_tokens: int = 0
-    retrieve_calls: int = 0
-    retrieved_tokens: int = 0
-    retrieved_chunks: int = 0
-    retrieve_scatter_batches: int = 0
-    retrieve_waited_seconds: float = 0.0
-    retrieve_late_tokens: int = 0
-    retrieve_failed_tokens: int = 0
-    retrieve_layerwise_calls: int = 0
-    store_layerwise_calls: int = 0
-    prefetch_calls: int = 0
-    implicit_prefetches: int = 0
-    implicit_prefetches_abandoned: int = 0
 
 
 _P = ParamSpec("_P")
@@ -801,20 +777,3 @@ def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:
         return token_ids
     partial = _count(token_ids) % multiple
     return token_ids[:-partial] if partial else token_ids  # no slice (a tensor op) if whole
-
-
-# Moved to `tiered_kv.sync`; still importable from here (the CLI and benches do).
-if TYPE_CHECKING:
-    from tiered_kv.sync import SyncPrefetchHandle as SyncPrefetchHandle
-    from tiered_kv.sync import SyncTieredKVEngine as SyncTieredKVEngine
-    from tiered_kv.sync import new_event_loop as new_event_loop
-
-_MOVED_TO_SYNC = ("SyncTieredKVEngine", "SyncPrefetchHandle", "new_event_loop")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_SYNC:
-        from tiered_kv import sync  # sync imports this module: import it lazily
-
-        return getattr(sync, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from tiered_kv.gpu.base import MoverStats
 from tiered_kv.memory import ArenaStats
@@ -25,8 +25,31 @@ from tiered_kv.storage import LowerTierTraffic, StorageStats
 from tiered_kv.tiers.base import TierStats
 from tiered_kv.tiers.l1 import L1Stats
 
-if TYPE_CHECKING:
-    from tiered_kv.engine import EngineCounters
+
+@dataclasses.dataclass(slots=True)
+class EngineCounters:
+    """The engine's own counters (calls, tokens); `statistics` hands out a copy."""
+
+    store_calls: int = 0
+    stored_chunks: int = 0
+    stored_tokens: int = 0
+    store_skipped_present: int = 0
+    store_skipped_no_space: int = 0
+    lookup_calls: int = 0
+    lookup_hit_tokens: int = 0
+    retrieve_calls: int = 0
+    retrieved_tokens: int = 0
+    retrieved_chunks: int = 0
+    retrieve_scatter_batches: int = 0
+    retrieve_waited_seconds: float = 0.0
+    retrieve_late_tokens: int = 0
+    retrieve_failed_tokens: int = 0
+    retrieve_layerwise_calls: int = 0
+    store_layerwise_calls: int = 0
+    prefetch_calls: int = 0
+    implicit_prefetches: int = 0
+    implicit_prefetches_abandoned: int = 0
+
 
 StatsDict = dict[str, dict[str, int | float]]
 Labels = tuple[tuple[str, str], ...]

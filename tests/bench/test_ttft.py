@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from bench import ttft, ttft_stalls
 from bench.ttft_model import TINY, PagedKV, PrefillGraphs, build_model, prefill
-from tiered_kv.engine import new_event_loop
+from tiered_kv.sync import new_event_loop
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from tiered_kv.engine import new_event_loop
 from tiered_kv.errors import TieredKVError
+from tiered_kv.sync import new_event_loop
 
 T = TypeVar("T")
 
