@@ -152,12 +152,18 @@ async def _l2_rows(
         log("page cache -> memory, readinto: " + _sweep_text(sweep, "threads"))
         # The ceiling at our thread count, before and after ours (the better of the two).
         before = ceilings.page_cache_read_gbps(paths, threads)
+        stats_before = l2.stats()
         warm = await _time_prefetch(engine, tokens, args.reps)
+        stats_after = l2.stats()
+        reads = stats_after.hits - stats_before.hits
+        read_s = stats_after.read_seconds - stats_before.read_seconds
         ceiling = max(before, ceilings.page_cache_read_gbps(paths, threads))
         ours = total / statistics.median(warm) / 1e9
         log(
             f"L2 warm: ours {ours:.2f} GB/s (median {1e3 * statistics.median(warm):.1f} ms, "
-            f"best {1e3 * min(warm):.1f} ms), readinto x{threads} {ceiling:.2f} GB/s"
+            f"best {1e3 * min(warm):.1f} ms), readinto x{threads} {ceiling:.2f} GB/s; "
+            f"a chunk's read took {1e3 * read_s / max(reads, 1):.1f} ms on its thread "
+            f"({total / args.chunks / 1e6 / max(read_s / max(reads, 1), 1e-9) / 1e3:.2f} GB/s)"
         )
         rows.append(Row("L2 warm (page cache)", ours, ceiling, f"readinto, {threads} threads"))
         cold: list[float] = []
