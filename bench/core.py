@@ -53,7 +53,7 @@ from tiered_kv.keys import ChunkKey, KeyScope, chunk_hashes, chunk_keys, token_b
 from tiered_kv.layout import GroupLayout, KVCacheLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.sync import new_event_loop
-from tiered_kv.tiers.l2_disk import DiskTier
+from tiered_kv.tiers.l2 import DiskTier
 
 MiB = 1 << 20
 GB = 1e9

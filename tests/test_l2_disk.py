@@ -31,8 +31,8 @@ from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.threads import write_threads
-from tiered_kv.tiers import l2_disk
-from tiered_kv.tiers.l2_disk import DiskStats, DiskTier, FileOps, scan_directory
+from tiered_kv.tiers import l2
+from tiered_kv.tiers.l2 import DiskStats, DiskTier, FileOps, scan_directory
 from tiered_kv.tiers.testing import FullDiskFileOps
 
 CHUNK = 16
@@ -102,7 +102,7 @@ def files_under(root: Path) -> list[str]:
     return sorted(
         str(path.relative_to(root))
         for path in root.rglob("*")
-        if path.is_file() and path.name != l2_disk.LOCK_NAME
+        if path.is_file() and path.name != l2.LOCK_NAME
     )
 
 
@@ -610,7 +610,7 @@ async def test_put_failure_leaves_nothing(
     key = make_keys(1)[0]
     obj = make_obj(arena)
     try:
-        with caplog.at_level(logging.WARNING, logger=l2_disk.__name__):
+        with caplog.at_level(logging.WARNING, logger=l2.__name__):
             assert not await tier.put(key, obj)
         assert files_under(root) == []
         assert not tier.contains(key)
@@ -1010,7 +1010,7 @@ async def test_unusable_directory_at_open_raises_tiered_kv_error(tmp_path: Path,
             pytest.skip("root ignores directory permissions; the other variants cover the error")
         root = tmp_path / "l2"
         root.mkdir()
-        (root / l2_disk.LOCK_NAME).write_bytes(b"")  # a writable lock file in a read-only dir
+        (root / l2.LOCK_NAME).write_bytes(b"")  # a writable lock file in a read-only dir
         root.chmod(0o555)
     tier = DiskTier(root, BIG)
     try:

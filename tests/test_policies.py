@@ -12,7 +12,7 @@ import torch
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.errors import ConfigError
-from tiered_kv.tiers.l2_disk import DiskTier
+from tiered_kv.tiers.l2 import DiskTier
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
 TOKENS = list(range(1000, 1100))  # 3 full chunks of 32 and a partial of 4

@@ -340,7 +340,7 @@ def test_tier_factory_by_scheme(tmp_path: Path) -> None:
 
 
 def test_lower_tiers_come_from_the_config_top_first(tmp_path: Path) -> None:
-    from tiered_kv.tiers.l2_disk import DiskTier
+    from tiered_kv.tiers.l2 import DiskTier
 
     assert lower_tiers(_config()) == []
     tiers = lower_tiers(_config(l2_path=str(tmp_path), l2_size="1MiB", l3_url="tkv://h:1"))

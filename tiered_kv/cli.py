@@ -292,7 +292,7 @@ def _print_report(
 
 # -- inspect ------------------------------------------------------------------------------------
 def run_inspect(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    from tiered_kv.tiers.l2_disk import scan_directory
+    from tiered_kv.tiers.l2 import scan_directory
 
     root = Path(args.directory)
     if not root.is_dir():

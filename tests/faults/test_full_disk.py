@@ -24,7 +24,7 @@ import torch
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
-from tiered_kv.tiers.l2_disk import LOCK_NAME, DiskTier
+from tiered_kv.tiers.l2 import LOCK_NAME, DiskTier
 from tiered_kv.tiers.testing import FullDiskFileOps
 
 MiB = 1 << 20

@@ -31,7 +31,7 @@ import torch
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
-from tiered_kv.tiers.l2_disk import LOCK_NAME, DiskTier, FileOps, scan_directory
+from tiered_kv.tiers.l2 import LOCK_NAME, DiskTier, FileOps, scan_directory
 
 CHUNK = 64
 LAYOUT = MemoryLayoutDesc(

@@ -19,7 +19,7 @@ import torch
 
 from tests.kvfactory import expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
-from tiered_kv.tiers.l2_disk import DiskTier, FileOps
+from tiered_kv.tiers.l2 import DiskTier, FileOps
 
 CHUNK = 32
 BLOCK = 16

@@ -35,7 +35,7 @@ from tiered_kv.config import EngineConfig
 from tiered_kv.engine import TieredKVEngine
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.factory import remote_tier
-from tiered_kv.tiers.l2_disk import DiskTier
+from tiered_kv.tiers.l2 import DiskTier
 
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 16

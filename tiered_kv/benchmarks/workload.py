@@ -55,7 +55,7 @@ from tiered_kv.benchmarks.common import (
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.config import parse_size
 from tiered_kv.tiers.base import LowerTier
-from tiered_kv.tiers.l2_disk import DiskTier
+from tiered_kv.tiers.l2 import DiskTier
 from tiered_kv.tiers.testing import FaultyTier
 
 BLOCK_SIZE = 16

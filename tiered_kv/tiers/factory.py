@@ -63,7 +63,7 @@ def lower_tiers(config: EngineConfig) -> list[LowerTier]:
     """The lower tiers ``config`` names, top first: L2 (``l2_path``), then L3 (``l3_url``)."""
     tiers: list[LowerTier] = []
     if config.l2_path is not None:
-        from tiered_kv.tiers.l2_disk import DiskTier
+        from tiered_kv.tiers.l2 import DiskTier
 
         tiers.append(
             DiskTier(

@@ -22,7 +22,7 @@ from pathlib import Path
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.tiers.base import LowerTier, TierStats
-from tiered_kv.tiers.l2_disk import FileOps
+from tiered_kv.tiers.l2 import FileOps
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

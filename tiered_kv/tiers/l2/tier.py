@@ -1,0 +1,558 @@
+"""`DiskTier` (L2): one checksummed codec frame per chunk, in files under a local directory.
+
+Owns the files under ``root``, their index (key → file, LRU order, bytes used) and the directory
+lock. A chunk lives at ``root/<first 2 hex>/<key hex>``; it is written to a temp name in the same
+directory, fsynced and renamed, so neither readers nor a restarted process ever see half a chunk.
+``root/.lock`` (flock) keeps a second tier out of the directory. `open` rebuilds the index from
+the files' headers; torn, corrupt or misnamed files are removed there and whenever a read finds
+them.
+
+Recency survives a restart: every write, read hit and `touch` stamps the file's mtime with a
+strictly increasing time, and `open` orders the index by it, so hot chunks are evicted last.
+
+A full filesystem: ``capacity`` is an upper bound, not a promise. A write that fails with
+``ENOSPC`` or ``EDQUOT`` sets the *effective capacity* to what the filesystem holds for us (the
+bytes of our committed chunks plus its free bytes, `os.statvfs`), evicts least recently used chunks
+down to it and tries again: at most `_NO_SPACE_RETRIES` times, and only when files were deleted
+since the failed attempt began (by its own eviction or another put's). While the effective
+capacity is below ``capacity`` every write also measures the free space (in the write's own
+thread hop), so the effective capacity follows the filesystem back up when space is freed (and
+down, before the next ``ENOSPC``, when something else fills it); a put that would not fit even
+in an emptied tier measures once more before it is refused. ``stats()`` (`DiskStats`) reports
+``effective_capacity`` and ``no_space_errors``.
+
+A removed directory: every write checks that ``root/.lock`` is still the file it holds the lock
+on. When it is gone, the write recreates the directory and takes the lock on a new lock file, and
+the index forgets chunks whose files went with the old directory. If another tier took the new
+directory first, this tier leaves it alone: it forgets its index and every later put fails.
+
+Must not: keep `MemoryObj`s or change their reference counts, hand out bytes whose checksum was
+not verified, or touch a caller's buffers after the call that lent them has returned.
+
+Threads: every method runs on the engine's event loop; file I/O and hashing run on the tier's
+own `BlockingPool`s, one hop per put / get: reads on ``io_threads`` threads (sized from the
+machine by default), so a request's chunks are read in parallel, each straight into its L1
+object; writes, unlinks and recency stamps on a smaller pool of their own (`write_threads`),
+so a burst of writes never queues a load behind it. A
+cancelled call tells its thread to stop and waits for it before cancellation propagates, so a
+released `MemoryObj` is never written. Not aiofiles: its await returns as soon as its task is
+cancelled while the thread keeps going, and it leaves the hashing on the loop
+(docs/benchmarks.md, "Why the L2 tier does not use aiofiles").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tiered_kv.codec import DEFAULT_LIMITS, CodecLimits, GroupSpec, encoded_header_len
+from tiered_kv.errors import ConfigError, EngineStateError, TieredKVError
+from tiered_kv.keys import ChunkKey
+from tiered_kv.memory import MemoryObj
+from tiered_kv.snapshot import counter_fields
+from tiered_kv.threads import BlockingPool, default_io_threads, write_threads
+from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
+from tiered_kv.tiers.l2.chunk_io import ReadOutcome, WriteJob, read_chunk_file, store_chunk
+from tiered_kv.tiers.l2.files import (
+    DEFAULT_FILE_OPS,
+    NO_SPACE_ERRNOS,
+    TEMP_SUFFIX,
+    FileOps,
+    set_mtimes,
+    unlink_paths,
+    vanished,
+)
+from tiered_kv.tiers.l2.lock import DirectoryLock
+from tiered_kv.tiers.l2.scan import Entry, rebuild_index
+
+logger = logging.getLogger(__name__)
+
+# Retries of one put after no-space errors; each follows deletions, so each meets more room.
+_NO_SPACE_RETRIES = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DiskStats(TierStats):
+    """`DiskTier.stats()`: occupancy, the effective capacity on a full disk, and counters."""
+
+    bytes_reserved: int = 0  # by writes in flight
+    effective_capacity: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    put_refused: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    corrupt_removed: int = 0
+    layout_mismatch: int = 0
+    read_failures: int = 0
+    no_space_errors: int = 0  # writes that failed with ENOSPC or EDQUOT
+    no_space_retries: int = 0  # writes tried again after evicting for room
+    directory_recreated: int = 0  # the directory or its lock file was removed and made again
+    touches: int = 0
+    touch_failures: int = 0
+    write_seconds: float = 0.0  # sum of per-write latencies
+    read_seconds: float = 0.0
+
+
+# What the tier counts as events (the rest of DiskStats is measured when asked).
+_COUNTERS = counter_fields(
+    DiskStats,
+    measured=(
+        *TIER_OCCUPANCY,
+        "bytes_reserved",
+        "effective_capacity",
+        "write_seconds",
+        "read_seconds",
+    ),
+)
+
+
+class DiskTier(LowerTier):
+    """L2 on a local directory, bounded by ``capacity`` bytes of files, LRU.
+
+    ``fsync=False`` skips the file and directory fsyncs (faster, but a power loss may lose
+    recent chunks; the checksums still keep torn files from being served). ``io_threads``: the
+    tier's blocking threads (reads and writes in parallel); None sizes them from the machine
+    (`default_io_threads`). ``file_ops`` is the seam for fault tests (a full disk); leave the
+    default otherwise.
+    """
+
+    name = "L2"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity: int,
+        *,
+        fsync: bool = True,
+        limits: CodecLimits = DEFAULT_LIMITS,
+        file_ops: FileOps = DEFAULT_FILE_OPS,
+        io_threads: int | None = None,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(
+                f"DiskTier: capacity must be a positive number of bytes, got {capacity!r}"
+            )
+        self.root = Path(root)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.limits = limits
+        self.file_ops = file_ops
+        threads = default_io_threads() if io_threads is None else io_threads
+        # Reads have threads of their own: a burst of writes never queues a load behind it.
+        self._read_pool = BlockingPool("tkv-l2-read", threads)
+        self._pool = BlockingPool("tkv-l2-write", write_threads(threads))
+        self._lock = DirectoryLock(self.root, file_ops)
+        self._state = "new"
+        self._index: collections.OrderedDict[ChunkKey, Entry] = collections.OrderedDict()
+        self._bytes_used = 0
+        self._reserved = 0
+        # At most capacity; lower while the filesystem holds less (see the module docstring).
+        self._effective_capacity = capacity
+        self._last_stamp_ns = 0
+        self._bytes_deleted = 0  # grows when files are handed to a thread for unlinking
+        # Keys with a put or an unlink in flight; never in the index at an await point.
+        self._busy: dict[ChunkKey, asyncio.Event] = {}
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._write_seconds = 0.0
+        self._read_seconds = 0.0
+
+    # -- lifetime ---------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Lock the directory, drop stale temp files, and rebuild the index from headers."""
+        if self._state != "new":
+            raise EngineStateError(f"DiskTier.open: already {self._state}; open is called once")
+        try:
+            try:
+                await self._pool.run(self._lock.acquire)
+                rebuilt = await self._pool.run(
+                    functools.partial(rebuild_index, self.root, self.limits)
+                )
+            except OSError as exc:
+                raise TieredKVError(f"L2 directory {self.root} is not usable: {exc}") from exc
+            for key, entry, mtime_ns in rebuilt.entries:
+                self._index[key] = entry
+                self._bytes_used += entry.size
+                self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
+            self._counters["corrupt_removed"] += rebuilt.corrupt_removed
+            victims = self._evict_until(lambda: self._bytes_used <= self.capacity)
+            if victims:
+                await self._unlink_entries(victims)
+        except BaseException:
+            self._lock.release()
+            self._index.clear()
+            self._bytes_used = 0
+            # A failed open may be tried again: its threads end, a new pool serves the retry.
+            await self._pool.aclose()
+            await self._read_pool.aclose()
+            self._pool = BlockingPool(self._pool.name, self._pool.size)
+            self._read_pool = BlockingPool(self._read_pool.name, self._read_pool.size)
+            raise
+        self._state = "open"
+        logger.info(
+            "L2 %s: %d chunks, %d bytes; removed %d corrupt and %d temp files",
+            self.root,
+            len(self._index),
+            self._bytes_used,
+            rebuilt.corrupt_removed,
+            rebuilt.temp_removed,
+        )
+
+    @property
+    def read_parallelism(self) -> int:
+        return self._read_pool.size
+
+    async def aclose(self) -> None:
+        """Release the directory lock and join the I/O threads. Await or cancel this tier's
+        operations first."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        self._lock.release()
+        self._index.clear()
+        self._bytes_used = 0
+        await self._pool.aclose()
+        await self._read_pool.aclose()
+
+    def _check_open(self, verb: str) -> None:
+        if self._state != "open":
+            raise EngineStateError(
+                f"DiskTier.{verb}: the tier is {self._state}; call open() first, not after aclose()"
+            )
+
+    # -- index ------------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._index
+
+    def entries(self) -> list[tuple[ChunkKey, int, int]]:
+        """(key, num_tokens, file size) of every chunk, least recently used first."""
+        return [(key, e.num_tokens, e.size) for key, e in self._index.items()]
+
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            entries=len(self._index),
+            bytes_used=self._bytes_used,
+            capacity=self.capacity,
+            bytes_reserved=self._reserved,
+            effective_capacity=self._effective_capacity,
+            write_seconds=self._write_seconds,
+            read_seconds=self._read_seconds,
+            **self._counters,
+        )
+
+    def _stamp(self) -> int:
+        """A file time for a chunk used now, later than every earlier one (ties would lose the
+        order at the next open: file times have the clock tick's granularity)."""
+        self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+        return self._last_stamp_ns
+
+    def _fit_to_filesystem(self, free_bytes: int | None) -> None:
+        """Effective capacity: our committed chunks plus the filesystem's free bytes.
+
+        Writes in flight are not counted: whatever part of them is on disk already is missing
+        from ``free_bytes``, so the estimate errs low by at most what they wrote; counting their
+        whole size would err high, and the next write would meet ``ENOSPC`` again.
+        """
+        if free_bytes is not None:
+            self._effective_capacity = max(0, min(self.capacity, self._bytes_used + free_bytes))
+
+    def _path_for(self, key: ChunkKey) -> Path:
+        name = key.hex
+        return self.root / name[:2] / name
+
+    def _evict_until(self, fits: Callable[[], bool]) -> list[tuple[ChunkKey, Entry]]:
+        """Pop least recently used entries until ``fits()``; the caller unlinks them."""
+        victims = []
+        while self._index and not fits():
+            key, entry = self._index.popitem(last=False)
+            self._bytes_used -= entry.size
+            victims.append((key, entry))
+        self._counters["evictions"] += len(victims)
+        return victims
+
+    def _drop(self, key: ChunkKey, entry: Entry) -> bool:
+        """Remove ``entry`` from the index if it is still ``key``'s entry."""
+        if self._index.get(key) is not entry:
+            return False
+        del self._index[key]
+        self._bytes_used -= entry.size
+        return True
+
+    async def _wait_idle(self, key: ChunkKey) -> None:
+        while (event := self._busy.get(key)) is not None:
+            await event.wait()
+
+    async def _unlink_entries(self, victims: Sequence[tuple[ChunkKey, Entry]]) -> None:
+        """Delete files already dropped from the index; their keys stay busy meanwhile."""
+        events = [(key, asyncio.Event()) for key, _ in victims]
+        self._busy.update(events)
+        self._bytes_deleted += sum(entry.size for _, entry in victims)
+        try:
+            await self._pool.run(functools.partial(unlink_paths, [e.path for _, e in victims]))
+        finally:
+            for key, event in events:
+                del self._busy[key]
+                event.set()
+
+    # -- data -------------------------------------------------------------------------------
+    async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self._check_open("put")
+        await self._wait_idle(key)
+        if key in self._index:
+            self._index.move_to_end(key)
+            return True
+        if self._lock.lost:
+            self._counters["put_failures"] += 1
+            return False
+        specs = obj.group_specs()
+        key_bytes = key.to_bytes()
+        size = encoded_header_len(len(key_bytes), specs) + sum(spec.nbytes for spec in specs)
+        if size + self._reserved > self.capacity:
+            self._refuse(key, size)
+            return False
+        done = asyncio.Event()
+        self._busy[key] = done
+        try:
+            if size + self._reserved > self._effective_capacity:
+                # Even an empty tier would not hold it on this filesystem: has space come back?
+                free_bytes = await self._pool.run(
+                    functools.partial(self.file_ops.free_bytes, self.root)
+                )
+                self._fit_to_filesystem(free_bytes)
+                if size + self._reserved > self._effective_capacity:
+                    self._refuse(key, size)
+                    return False
+            victims = self._evict_until(
+                lambda: self._bytes_used + self._reserved + size <= self._effective_capacity
+            )
+            self._reserved += size
+            try:
+                if victims:
+                    await self._unlink_entries(victims)
+                return await self._write(key, key_bytes, obj, specs, size)
+            finally:
+                self._reserved -= size
+        finally:
+            del self._busy[key]
+            done.set()
+
+    def _refuse(self, key: ChunkKey, size: int) -> None:
+        self._counters["put_refused"] += 1
+        logger.debug(
+            "L2 put of %s refused: %d bytes, capacity %d (effective %d), %d reserved by writes "
+            "in flight",
+            key.hex,
+            size,
+            self.capacity,
+            self._effective_capacity,
+            self._reserved,
+        )
+
+    async def _write(
+        self,
+        key: ChunkKey,
+        key_bytes: bytes,
+        obj: MemoryObj,
+        specs: tuple[GroupSpec, ...],
+        size: int,
+    ) -> bool:
+        """Write the file, evicting and trying again after no-space errors; ``size`` is reserved."""
+        final_path = self._path_for(key)
+        entry = Entry(final_path, size, obj.num_tokens, specs)
+        attempt = 0
+        while True:
+            temp_name = f".{final_path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+            job = WriteJob(
+                directory=final_path.parent,
+                temp_path=final_path.parent / temp_name,
+                final_path=final_path,
+                key_bytes=key_bytes,
+                num_tokens=obj.num_tokens,
+                specs=specs,
+                buffers=obj.group_buffers(),
+                fsync=self.fsync,
+                limits=self.limits,
+                file_ops=self.file_ops,
+                lock=self._lock,
+                stamp_ns=self._stamp(),
+                measure_free_space=self._effective_capacity < self.capacity,
+            )
+            deleted_before = self._bytes_deleted
+            started = time.perf_counter()
+            try:
+                await self._pool.run(functools.partial(store_chunk, job), job.abort)
+            except asyncio.CancelledError:
+                # Cancelled after the rename: the chunk is complete, so keep it indexed.
+                if job.committed:
+                    self._insert(key, entry)
+                raise
+            except Exception as exc:
+                if self._lock.lost:
+                    self._forget_lost_directory()
+                elif job.lock_retaken:
+                    await self._forget_vanished_files()
+                if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+                    await self._make_room_after_no_space(key, job, size)
+                    # Again only if files went (ours or other puts' victims) since this try began.
+                    if self._bytes_deleted > deleted_before and attempt < _NO_SPACE_RETRIES:
+                        attempt += 1
+                        self._counters["no_space_retries"] += 1
+                        continue
+                self._counters["put_failures"] += 1
+                logger.warning("L2 put of %s failed", key.hex, exc_info=True)
+                return False
+            finally:
+                self._write_seconds += time.perf_counter() - started
+            self._insert(key, entry)
+            if job.measure_free_space:
+                self._fit_to_filesystem(job.free_bytes)
+            self._counters["puts"] += 1
+            self._counters["bytes_written"] += size
+            if job.lock_retaken:
+                await self._forget_vanished_files()  # after the insert: a cancel keeps the chunk
+            return True
+
+    async def _make_room_after_no_space(self, key: ChunkKey, job: WriteJob, size: int) -> None:
+        """Lower the effective capacity to what the filesystem holds and evict down to it."""
+        self._counters["no_space_errors"] += 1
+        self._fit_to_filesystem(job.free_bytes)
+        if job.free_bytes is None:  # unknown: assume the disk holds what we hold now
+            self._effective_capacity = min(self._effective_capacity, self._bytes_used)
+        victims = self._evict_until(
+            lambda: self._bytes_used + self._reserved <= self._effective_capacity
+        )
+        logger.info(
+            "L2: no space for %s (%d bytes): effective capacity now %d of %d, evicting %d chunks",
+            key.hex,
+            size,
+            self._effective_capacity,
+            self.capacity,
+            len(victims),
+        )
+        if victims:
+            await self._unlink_entries(victims)
+
+    def _forget_lost_directory(self) -> None:
+        """Another tier owns the directory now: none of its files are ours to read or delete."""
+        if self._index:
+            logger.warning(
+                "L2 %s: another tier took the directory; forgetting %d chunks",
+                self.root,
+                len(self._index),
+            )
+        self._index.clear()
+        self._bytes_used = 0
+
+    async def _forget_vanished_files(self) -> None:
+        """The directory was recreated: drop the entries whose files went with the old one."""
+        self._counters["directory_recreated"] += 1
+        snapshot = list(self._index.items())
+        gone_flags = await self._pool.run(
+            functools.partial(vanished, [entry.path for _, entry in snapshot])
+        )
+        for (key, entry), gone in zip(snapshot, gone_flags, strict=True):
+            if gone:
+                self._drop(key, entry)
+
+    def _insert(self, key: ChunkKey, entry: Entry) -> None:
+        self._index[key] = entry
+        self._bytes_used += entry.size
+
+    async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        self._check_open("get_into")
+        entry = self._index.get(key)
+        if entry is None:
+            self._counters["misses"] += 1
+            return False
+        specs = obj.group_specs()
+        if entry.num_tokens != obj.num_tokens or entry.groups != specs:
+            self._counters["layout_mismatch"] += 1
+            self._counters["misses"] += 1
+            return False
+        abort = threading.Event()
+        read = functools.partial(
+            read_chunk_file,
+            entry.path,
+            key.to_bytes(),
+            obj.num_tokens,
+            specs,
+            obj.group_buffers(),
+            self.limits,
+            abort,
+            self._stamp(),
+            self.file_ops,
+        )
+        started = time.perf_counter()
+        try:
+            outcome, detail = await self._read_pool.run(read, abort)
+        except Exception:
+            self._counters["read_failures"] += 1
+            self._counters["misses"] += 1
+            logger.warning("L2 read of %s failed", key.hex, exc_info=True)
+            return False
+        finally:
+            self._read_seconds += time.perf_counter() - started
+
+        if outcome is ReadOutcome.HIT:
+            if self._index.get(key) is entry:
+                self._index.move_to_end(key)
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += entry.payload_len
+            return True
+        self._counters["misses"] += 1
+        if outcome is ReadOutcome.MISSING:
+            self._drop(key, entry)
+        elif outcome is ReadOutcome.LAYOUT_MISMATCH:
+            self._counters["layout_mismatch"] += 1
+        elif outcome is ReadOutcome.CORRUPT:
+            logger.warning("L2: removing corrupt %s: %s", entry.path, detail)
+            if self._drop(key, entry):
+                self._counters["corrupt_removed"] += 1
+                await self._unlink_entries([(key, entry)])
+        else:
+            logger.warning("L2: %s: %s", entry.path, detail)
+        return False
+
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Move ``keys`` to the recent end of the LRU and stamp their files' mtimes (one thread
+        hop for the batch), so that the order survives a restart. After close: a no-op."""
+        if self._state != "open":
+            return
+        stamps = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is None:
+                continue
+            self._index.move_to_end(key)
+            stamps.append((entry.path, self._stamp()))
+        if not stamps:
+            return
+        try:
+            failures = await self._pool.run(functools.partial(set_mtimes, stamps))
+        except Exception:  # recency is a hint: the in-memory order stands
+            logger.warning("L2: stamping %d touched files failed", len(stamps), exc_info=True)
+            failures = len(stamps)
+        self._counters["touches"] += len(stamps) - failures
+        self._counters["touch_failures"] += failures
+
+    async def remove(self, key: ChunkKey) -> bool:
+        self._check_open("remove")
+        await self._wait_idle(key)
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self._bytes_used -= entry.size
+        await self._unlink_entries([(key, entry)])
+        return True
