@@ -18,7 +18,6 @@ import pytest
 from tests.remote_fixtures import free_port, tkv_server  # noqa: F401
 from tiered_kv.cli import main
 from tiered_kv.codec import GroupSpec, encode_chunk
-from tiered_kv.sync import new_event_loop
 from tiered_kv.errors import (
     ConfigError,
     ProtocolError,
@@ -26,6 +25,7 @@ from tiered_kv.errors import (
     RemoteError,
     RemoteUnavailable,
 )
+from tiered_kv.sync import new_event_loop
 from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient
 from tiered_kv.tiers.remote.connector import FetchStatus
 from tiered_kv.tiers.remote.protocol import (
