@@ -1,8 +1,10 @@
-"""Soak: concurrent store / lookup / prefetch+cancel / retrieve under L1 and L2 eviction.
+"""Soak: concurrent store / lookup / prefetch+cancel / retrieve under L1 and lower-tier eviction.
 
-Every retrieved row is checked against the prefix it belongs to; at the end, host bytes,
-prefetch reservations, tasks and file descriptors are back at their baseline. Runs
-``TIERED_KV_SOAK_S`` seconds (default 20).
+Two lower tiers, each on its threaded data plane: L2 (a disk directory, its read and write
+threads) and L3 (``tiered-kv serve`` on loopback, the client's receiving threads). Every
+retrieved row is checked against the prefix it belongs to; at the end, host bytes, prefetch
+reservations, tasks, threads and file descriptors are back at their baseline (L3's pooled
+connections aside). Runs ``TIERED_KV_SOAK_S`` seconds in all (default 20), half per tier.
 """
 
 from __future__ import annotations
@@ -13,31 +15,48 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.faults.model import BLOCK_SIZE, HINTS, PagedModel
+from tests.remote_fixtures import tkv_server  # noqa: F401 - the fixture
 from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.tiers.remote.server import RemoteCacheServer
 
 CHUNK = 64
 WORKERS = 6
+L3_CONNECTIONS = 4
 
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-async def test_soak_under_eviction_serves_only_correct_rows(tmp_path: Path) -> None:
-    seconds = float(os.environ.get("TIERED_KV_SOAK_S", "20"))
+@pytest.mark.parametrize("tier", ["L2", "L3"])
+async def test_soak_under_eviction_serves_only_correct_rows(
+    tmp_path: Path,
+    tier: str,
+    tkv_server: RemoteCacheServer,  # noqa: F811 - the fixture
+) -> None:
+    seconds = float(os.environ.get("TIERED_KV_SOAK_S", "20")) / 2
     rng = random.Random(11)
     systems = [
         [rng.randrange(1, 30_000) for _ in range(rng.choice((64, 128, 200)))] for _ in range(4)
     ]
     row_bytes = 2 * 2 * 2 * 16 * 4  # layers x K/V x heads x head_size x float32, per token
+    lower: dict[str, object] = (
+        {
+            "l2_path": str(tmp_path / "l2"),
+            "l2_size": 160 * (CHUNK * row_bytes + 4096),  # about 160 chunks on disk
+            "l2_fsync": False,
+        }
+        if tier == "L2"
+        else {"l3_url": tkv_server.url, "l3_pool_size": L3_CONNECTIONS}
+    )
     config = EngineConfig(
         chunk_size=CHUNK,
         l1_size=48 * CHUNK * row_bytes,  # about 48 chunks: evicts all the time
-        l2_path=str(tmp_path / "l2"),
-        l2_size=160 * (CHUNK * row_bytes + 4096),  # about 160 chunks on disk
-        l2_fsync=False,
         prefetch_policy="timeout",
+        **lower,  # type: ignore[arg-type]
     )
     model = PagedModel(num_blocks=WORKERS * 40)
     counts = dict.fromkeys(
@@ -123,15 +142,17 @@ async def test_soak_under_eviction_serves_only_correct_rows(tmp_path: Path) -> N
                 break
         tasks, fds = len(asyncio.all_tasks()), _open_fds()
         names = sorted(t.get_name() for t in asyncio.all_tasks())
+    lower_hits = stats["storage"][f"hits_{tier.lower()}"]
     print(
-        f"\nsoak {elapsed:.1f}s: {counts}; l1 hits {stats['storage']['hits_l1']}, l2 hits "
-        f"{stats['storage']['hits_l2']}, l2 evictions {stats['l2'].get('evictions', '?')}; "
-        f"tasks {baseline_tasks}->{tasks}, fds {baseline_fds}->{fds}"
+        f"\nsoak {tier} {elapsed:.1f}s: {counts}; l1 hits {stats['storage']['hits_l1']}, "
+        f"{tier} hits {lower_hits}; tasks {baseline_tasks}->{tasks}, fds {baseline_fds}->{fds}"
     )
     assert not wrong, wrong[:5]
-    assert counts["rows_verified"] > 0 and stats["storage"]["hits_l2"] > 0, counts
+    assert counts["rows_verified"] > 0 and lower_hits > 0, counts
     assert stats["arena"]["used"] == 0, "host bytes still referenced"
     assert stats["prefetch"]["reserved_bytes"] == 0 and stats["prefetch"]["in_flight"] == 0
     assert tasks <= baseline_tasks, f"tasks {baseline_tasks} -> {tasks}: {names}"
-    assert fds <= baseline_fds + 2, f"file descriptors {baseline_fds} -> {fds}"
+    # L3's pooled connections stay open until close: both ends are in this process.
+    pooled = 2 * L3_CONNECTIONS if tier == "L3" else 0
+    assert fds <= baseline_fds + 2 + pooled, f"file descriptors {baseline_fds} -> {fds}"
     assert engine.leaked_on_close == 0
