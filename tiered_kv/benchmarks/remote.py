@@ -2,9 +2,8 @@
 
 Measures, in one run:
 1. The raw ceilings: 1..8 loopback TCP streams at once (``--quick``: 1, 2, 4, 8 and our
-   connection count), each a sender process and a receiver process moving 32 MiB messages
-   (blocking sendall / recv_into a preallocated buffer, a 1-byte ack per message, so it is
-   paced like a request / response); best of three batches.
+   connection count), a process per end (`ceilings.loopback_tcp_gbps`: 32 MiB messages, a
+   1-byte ack per message, so it is paced like a request / response; median of three passes).
 2. Our server (``tiered-kv serve`` in its own process) through `RemoteTier`: PUT (checksum,
    frame, send) and GET (receive straight into the L1 buffer, verify) of 32 MiB chunks: one
    connection with one request at a time (``x1``, against the 1-stream ceiling), and the
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from tiered_kv.benchmarks import ceilings
 from tiered_kv.benchmarks.common import (
     DEFAULT_OUT,
     bar_chart,
@@ -116,102 +116,6 @@ def process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-# -- 1. raw socket ceiling ----------------------------------------------------------------------
-RECEIVER = """
-import socket, sys
-size = int(sys.argv[2])
-listener = socket.socket()
-listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-listener.bind(("127.0.0.1", int(sys.argv[1])))
-listener.listen(16)
-buffer = memoryview(bytearray(size))
-while True:
-    conn, _ = listener.accept()
-    with conn:
-        while True:
-            filled = 0
-            while filled < size:
-                n = conn.recv_into(buffer[filled:])
-                if not n:
-                    break
-                filled += n
-            if filled < size:
-                break
-            conn.sendall(b"k")
-"""
-
-
-SENDER = """
-import os, socket, sys, time
-size, count = int(sys.argv[2]), int(sys.argv[3])
-payload = memoryview(os.urandom(size))
-sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-sock.sendall(payload)  # warm-up
-sock.recv(1)
-print("ready", flush=True)
-for _ in sys.stdin:  # one batch per line
-    started = time.monotonic()
-    for _ in range(count):
-        sock.sendall(payload)
-        if sock.recv(1) != b"k":
-            sys.exit("receiver went away")
-    print(started, time.monotonic(), flush=True)
-"""
-
-
-def raw_ceiling(size: int, count: int, streams: int) -> float:
-    """GB/s of ``streams`` loopback streams at once, each a sender process and a receiver
-    process moving ``count`` messages of ``size`` bytes; best of three batches."""
-    with contextlib.ExitStack() as stack:
-        senders = []
-        for _ in range(streams):
-            port = free_port()
-            stack.enter_context(
-                process([sys.executable, "-c", RECEIVER, str(port), str(size)], port)
-            )
-            sender = subprocess.Popen(
-                [sys.executable, "-c", SENDER, str(port), str(size), str(count)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            stack.callback(_stop, sender)
-            senders.append(sender)
-        for sender in senders:
-            _read_line(sender)  # "ready"
-        best = 0.0
-        for _ in range(3):  # best of three batches: the VM's loopback speed wanders
-            for sender in senders:
-                assert sender.stdin is not None
-                sender.stdin.write("go\n")
-                sender.stdin.flush()
-            spans = [tuple(map(float, _read_line(sender).split())) for sender in senders]
-            wall = max(end for _, end in spans) - min(start for start, _ in spans)
-            best = max(best, size * count * streams / wall / 1e9)
-    return best
-
-
-def _read_line(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"a raw socket sender exited with {proc.wait()}")
-    return line
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.stdin is not None:
-        proc.stdin.close()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 # -- chunk objects ------------------------------------------------------------------------------
@@ -348,7 +252,9 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     log(f"chunk: {layout.nbytes(CHUNK_TOKENS)} bytes of KV; {os.cpu_count()} CPUs")
     raw: dict[int, float] = {}
     for streams in stream_counts:
-        raw[streams] = raw_ceiling(size, 4 if args.quick else 12, streams)
+        raw[streams] = ceilings.loopback_tcp_gbps(
+            streams, message_bytes=size, total_bytes=(1 if args.quick else 4) << 30
+        )
         progress.advance(f"raw socket x{streams}")
         log(f"raw socket, {streams} streams: {raw[streams]:.2f} GB/s")
     arena = HostArena((2 * STRIPED_CHUNKS + 2) * 32 * MiB, pin=False)
@@ -441,7 +347,7 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
         )
         print(f"plot: {png}")
     print(f"\nloopback, 32 MiB chunks, {os.cpu_count()} CPUs; tkv connections: {connections}")
-    print("raw socket, GB/s by streams (a sender and a receiver process each):")
+    print("raw loopback TCP, GB/s by streams (a process per end):")
     print("  " + "  ".join(f"x{n} {gbps:.2f}" for n, gbps in raw.items()))
     print(f"{'path':<12}{'PUT GB/s':>10}{'p50/p99 ms':>16}{'GET GB/s':>10}{'p50/p99 ms':>16}")
     for name, row in results.items():
