@@ -7,8 +7,9 @@ Measures, in one run:
 2. Our server (``tiered-kv serve`` in its own process) through `RemoteTier`: PUT (checksum,
    frame, send) and GET (receive straight into the L1 buffer, verify) of 32 MiB chunks: one
    connection with one request at a time (``x1``, against the 1-stream ceiling), and the
-   prefetch's shape, a 16-chunk load with 8 `get_into` in flight over the client's default
-   pool (``xK``, K = `default_pool_size`, against the K-stream ceiling); GB/s, p50 / p99.
+   prefetch's shape, a 16-chunk load with K `get_into` in flight (the tier's
+   ``read_parallelism``) over the client's default pool of K connections (``xK``, K =
+   `default_pool_size`, against the K-stream ceiling); GB/s, p50 / p99.
 3. The same through redis-server (own process) and `RedisConnector` (pool of 1, then K).
 4. ``contains_many`` of 512 keys (one round trip) against both.
 
@@ -58,7 +59,6 @@ MiB = 1 << 20
 CHUNK_TOKENS = 256
 LAYERS = 32  # 32 layers x 256 tokens x 8 heads x 128 x bf16 x K/V = 32 MiB per chunk
 STRIPED_CHUNKS = 16  # chunks of one striped load (a 4k-token prompt)
-IN_FLIGHT = 8  # loads in flight, as EngineConfig.prefetch_concurrency's default
 
 
 def log(message: str) -> None:
@@ -280,9 +280,9 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                 layout,
                 arena,
                 STRIPED_CHUNKS,
-                IN_FLIGHT,
+                connections,
                 max(1, rounds // 2),
-                f"tkv, {connections} connections, {IN_FLIGHT} in flight",
+                f"tkv, {connections} connections, as many in flight",
             )
             progress.advance(f"tkv {striped}")
             exists["tkv"] = await exists_latency(
@@ -315,9 +315,9 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                         layout,
                         arena,
                         STRIPED_CHUNKS,
-                        IN_FLIGHT,
+                        connections,
                         max(1, rounds // 2),
-                        f"redis, {connections} connections, {IN_FLIGHT} in flight",
+                        f"redis, {connections} connections, as many in flight",
                     )
                     progress.advance(f"redis {striped}")
                     exists["redis"] = await exists_latency(
