@@ -47,14 +47,14 @@ def open_fds() -> int:
 
 
 def client_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("tkv-")]
+    return [t for t in threading.enumerate() if t.name.startswith("tkv-client ")]
 
 
-async def settled(count: Callable[[], int], expected: int) -> int:
-    """``count()`` once it equals ``expected`` or after 5 s (a closed peer's socket may take a
-    loop turn or two to go)."""
+async def settled(count: Callable[[], int], at_most: int) -> int:
+    """``count()`` once it is at most ``at_most``, or after 5 s (a closed peer's socket may
+    take a loop turn or two to go)."""
     for _ in range(500):
-        if count() == expected:
+        if count() <= at_most:
             break
         await asyncio.sleep(0.01)
     return count()
@@ -209,7 +209,7 @@ async def test_a_connection_dying_mid_stripe_costs_exactly_its_chunks() -> None:
 async def test_cancelling_a_get_mid_transfer_leaks_nothing_and_never_writes_afterwards() -> None:
     key = b"big"
     whole = frame_bytes(key, os.urandom(8 << 20))
-    threads_before, fds_before = len(threading.enumerate()), open_fds()
+    threads_before, fds_before = set(threading.enumerate()), open_fds()
     stored = {key: whole, b"small": frame_bytes(b"small", b"s" * 100)}
     async with faulty_server(stored) as server:
         server.stall.add(key)
@@ -233,8 +233,8 @@ async def test_cancelling_a_get_mid_transfer_leaks_nothing_and_never_writes_afte
         finally:
             await client.aclose()
     assert client_threads() == []
-    assert len(threading.enumerate()) == threads_before
-    assert await settled(open_fds, fds_before) == fds_before
+    assert set(threading.enumerate()) - threads_before == set()  # none started stays
+    assert await settled(open_fds, fds_before) <= fds_before
 
 
 async def test_a_stuck_server_is_bounded_by_the_timeout() -> None:
@@ -244,7 +244,7 @@ async def test_a_stuck_server_is_bounded_by_the_timeout() -> None:
                 pass
         writer.close()
 
-    threads_before, fds_before = len(threading.enumerate()), open_fds()
+    threads_before, fds_before = set(threading.enumerate()), open_fds()
     server = await asyncio.start_server(swallow, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     options = ClientOptions(pool_size=2, timeout_s=0.3)
@@ -268,8 +268,8 @@ async def test_a_stuck_server_is_bounded_by_the_timeout() -> None:
         server.close()
         await server.wait_closed()
     assert client_threads() == []
-    assert len(threading.enumerate()) == threads_before
-    assert await settled(open_fds, fds_before) == fds_before
+    assert set(threading.enumerate()) - threads_before == set()  # none started stays
+    assert await settled(open_fds, fds_before) <= fds_before
 
 
 async def test_aclose_fails_requests_in_flight_and_joins_every_thread() -> None:

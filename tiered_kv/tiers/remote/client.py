@@ -466,7 +466,9 @@ class RemoteClient:
         if not self._connections:
             loop = asyncio.get_running_loop()
             self._connections = [
-                _DataConnection(f"tkv-{self.host}:{self.port}#{index}", loop, self.options.limits)
+                _DataConnection(
+                    f"tkv-client {self.host}:{self.port}#{index}", loop, self.options.limits
+                )
                 for index in range(self.options.connections)
             ]
         return min(self._connections, key=lambda c: (c.load, not c.connected))

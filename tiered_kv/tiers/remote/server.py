@@ -418,7 +418,7 @@ class _Connection:
         self._header_since: float | None = None
         self._socket_lock = threading.Lock()  # `shutdown` never meets a closed (reused) fd
         self._socket_open = True
-        self.thread = threading.Thread(target=self.run, name=f"tkv-serve {peer}", daemon=True)
+        self.thread = threading.Thread(target=self.run, name=f"tkv-server {peer}", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------------
     def run(self) -> None:
