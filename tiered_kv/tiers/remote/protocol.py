@@ -2,9 +2,10 @@
 
 Owns the frame layout, its limits and error codes, the encoding of the small "meta" section
 (key lists, per-key results, error messages), and `FrameReader`, the incremental parser that
-both the server and the client drive from `asyncio.BufferedProtocol` callbacks. Must not know
-about memory objects, tiers or sockets: payloads are opaque bytes here (a chunk frame of
-`tiered_kv.codec`, which carries its own checksums) and land in buffers a `DataSink` names.
+the server's connection threads drive with ``get_buffer`` / ``buffer_updated`` around each
+``recv_into`` (the `asyncio.BufferedProtocol` shape); the client reads its answers directly.
+Must not know about memory objects, tiers or sockets: payloads are opaque bytes here (a chunk
+frame of `tiered_kv.codec`, which carries its own checksums) and land in buffers a `DataSink` names.
 
 Frame, little-endian, the same for requests and responses::
 
@@ -255,7 +256,7 @@ class DataSink(Protocol):
     def target(self) -> memoryview:
         """The (non-empty) buffer the next bytes go to; only called while data is still due.
 
-        Neither the reader nor the transport holds a view from an earlier call by then, so an
+        Neither the reader nor the receiver holds a view from an earlier call by then, so an
         implementation may resize its buffer here.
         """
 
@@ -344,7 +345,8 @@ class FrameHandler(Protocol):
 
 
 class FrameReader:
-    """Turns `BufferedProtocol` callbacks into frames for a `FrameHandler`.
+    """Turns received bytes into frames for a `FrameHandler`: the caller receives into
+    `get_buffer` and reports the count to `buffer_updated` (`BufferedProtocol`'s shape).
 
     Headers and metas are parsed from a scratch buffer that grows only as bytes arrive: when an
     incomplete header and meta fill it, it at most doubles, never past that frame's
@@ -457,7 +459,7 @@ class FrameReader:
     def _resize(self, size: int) -> None:
         """Move the unparsed bytes to the start of a fresh scratch buffer of ``size`` bytes.
 
-        A fresh buffer, not a resize in place: the transport may still hold a view of the old
+        A fresh buffer, not a resize in place: the receiver may still hold a view of the old
         one while `buffer_updated` runs.
         """
         pending = self._end - self._start
