@@ -25,7 +25,6 @@ from tiered_kv.errors import (
     RemoteError,
     RemoteUnavailable,
 )
-from tiered_kv.sync import new_event_loop
 from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient
 from tiered_kv.tiers.remote.connector import FetchStatus
 from tiered_kv.tiers.remote.protocol import (
@@ -141,34 +140,29 @@ async def test_segments_of_deleted_and_evicted_frames_serve_puts_of_their_size()
             assert await client.get(key) == frame_bytes(key, payloads[key])
 
 
-def test_segments_a_get_is_still_sending_are_not_reused() -> None:
-    # On uvloop, as `tiered-kv serve` runs: its transports send the stored segments' views
-    # (the stdlib loop of Python 3.11 joins them into a copy, so nothing is held there).
-    pytest.importorskip("uvloop")
+async def test_segments_a_get_is_still_sending_are_not_reused() -> None:
+    # A connection's thread sends views of the stored segments; its reader does not read, so
+    # the views stay held while the value is deleted and its size is put again.
     first, second = os.urandom(32 << 20), os.urandom(32 << 20)
     whole = frame_bytes(b"k", first)
 
-    async def scenario() -> None:
-        async with (
-            RemoteCacheServer(ServerOptions(port=0, capacity=1 << 30)) as server,
-            RemoteClient("127.0.0.1", server.port) as client,
-        ):
-            await client.put(b"k", frame(b"k", first))
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            try:
-                writer.write(pack_frame_header(Op.GET, 0, 1, 1) + b"k")  # not read yet
-                await _until(lambda: server.stats()["gets"] == 1, "the GET")
-                assert await client.delete([b"k"]) == [True]
-                assert server.stats()["bytes_pooled"] < len(whole)  # the unsent stay out
-                await client.put(b"k2", frame(b"k2", second))  # takes what was pooled
-                answer = await reader.readexactly(HEADER_LEN + len(whole))
-                assert answer[HEADER_LEN:] == whole
-            finally:
-                writer.close()
-            assert await client.get(b"k2") == frame_bytes(b"k2", second)
-
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        runner.run(scenario())
+    async with (
+        RemoteCacheServer(ServerOptions(port=0, capacity=1 << 30)) as server,
+        RemoteClient("127.0.0.1", server.port) as client,
+    ):
+        await client.put(b"k", frame(b"k", first))
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(pack_frame_header(Op.GET, 0, 1, 1) + b"k")  # not read yet
+            await _until(lambda: server.stats()["gets"] == 1, "the GET")
+            assert await client.delete([b"k"]) == [True]
+            assert server.stats()["bytes_pooled"] < len(whole)  # the unsent stay out
+            await client.put(b"k2", frame(b"k2", second))  # takes what was pooled
+            answer = await reader.readexactly(HEADER_LEN + len(whole))
+            assert answer[HEADER_LEN:] == whole
+        finally:
+            writer.close()
+        assert await client.get(b"k2") == frame_bytes(b"k2", second)
 
 
 async def test_put_of_something_else_than_a_chunk_frame_is_refused(
