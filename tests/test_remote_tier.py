@@ -27,7 +27,7 @@ from tiered_kv.keys import chunk_keys
 from tiered_kv.layout import build_layout
 from tiered_kv.memory import HostArena
 from tiered_kv.tiers.factory import lower_tiers, remote_tier
-from tiered_kv.tiers.l3_remote import RemoteTier, remote_tier_from_config
+from tiered_kv.tiers.l3_remote import RemoteTier
 from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnector
 from tiered_kv.tiers.remote.server import RemoteCacheServer, ServerOptions
 
@@ -327,8 +327,7 @@ def test_tier_factory_by_scheme(tmp_path: Path) -> None:
         assert type(tier.connector).__name__ == "RedisConnector"
     cluster = remote_tier(_config(l3_url="valkeys+cluster://h:1")).connector
     assert cluster.cluster is True and cluster._url == "rediss://h:1"
-    # The old entry point is the factory under its former name.
-    assert isinstance(remote_tier_from_config(_config(l3_url="tkv://h:1")), RemoteTier)
+    assert isinstance(remote_tier(_config(l3_url="tkv://h:1")), RemoteTier)
     token = tmp_path / "token"
     token.write_text("")
     with pytest.raises(ConfigError, match="empty"):

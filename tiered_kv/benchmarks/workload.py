@@ -168,9 +168,9 @@ async def run_scenario(
             )
         ]
         if args.l3_url:
-            from tiered_kv.tiers.l3_remote import remote_tier_from_config
+            from tiered_kv.tiers.factory import remote_tier
 
-            remote = remote_tier_from_config(EngineConfig(l3_url=args.l3_url, namespace=namespace))
+            remote = remote_tier(EngineConfig(l3_url=args.l3_url, namespace=namespace))
             tiers.append(
                 FaultyTier(remote, get_delay_s=args.l3_read_delay_ms / 1000, put_delay_s=0.0)
             )

@@ -43,7 +43,7 @@ from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink, RemoteConnector
 
 if TYPE_CHECKING:
-    from tiered_kv.config import EngineConfig
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -328,10 +328,3 @@ def read_token_file(path: str) -> bytes:
     if not token:
         raise ConfigError(f"l3_token_file: {path!r} is empty")
     return token
-
-
-def remote_tier_from_config(config: EngineConfig) -> RemoteTier:
-    """`tiered_kv.tiers.factory.remote_tier`, under the name callers used before the factory."""
-    from tiered_kv.tiers.factory import remote_tier  # the factory imports this module
-
-    return remote_tier(config)
