@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 _DIRECT_ALIGN = 4096
+_SOCKET_TIMEOUT_S = 60.0  # a loopback ceiling's accept and receives; a dead sender raises
 
 
 def _parallel(jobs: Sequence[Callable[[int], None]], threads: int) -> float:
@@ -187,8 +188,12 @@ def loopback_tcp_gbps(
                 target=_send_streams, args=(port, streams, message_bytes, messages), daemon=True
             )
             sender.start()
+            # A sender that dies (a broken import in the spawned process) must not hang us.
+            server.settimeout(_SOCKET_TIMEOUT_S)
             try:
                 conns = [server.accept()[0] for _ in range(streams)]
+                for conn in conns:
+                    conn.settimeout(_SOCKET_TIMEOUT_S)
                 buffers = [memoryview(bytearray(message_bytes)) for _ in range(streams)]
 
                 def receive(conn: socket.socket, buffer: memoryview) -> None:

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import importlib.util
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +40,10 @@ from tiered_kv.benchmarks import ceilings
 from tiered_kv.benchmarks.common import (
     DEFAULT_OUT,
     bar_chart,
+    free_port,
     load_pyplot,
     percentile,
+    process,
     run_on_engine_loop,
 )
 from tiered_kv.benchmarks.progress import Progress, print_line
@@ -63,59 +62,6 @@ STRIPED_CHUNKS = 16  # chunks of one striped load (a 4k-token prompt)
 
 def log(message: str) -> None:
     print_line(message, sys.stderr)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_port(
-    port: int, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None
-) -> None:
-    """Until something listens on ``port``; raises when ``proc`` (the server) exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout_s:g} s")
-
-
-@contextlib.contextmanager
-def process(
-    args: list[str],
-    port: int,
-    *,
-    env: dict[str, str] | None = None,
-    log_path: Path | None = None,
-    timeout_s: float = 15.0,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``args`` in its own process until something listens on ``port``; stopped on exit. Its
-    output goes to ``log_path`` (whose tail an early exit reports), else nowhere."""
-    if log_path is None:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    else:
-        with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    try:
-        try:
-            wait_port(port, timeout_s, proc)
-        except RuntimeError as exc:
-            if log_path is None or proc.poll() is None:
-                raise
-            raise RuntimeError(f"{exc}: {log_path.read_text(errors='replace')[-2000:]}") from None
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- chunk objects ------------------------------------------------------------------------------
