@@ -1110,8 +1110,8 @@ def host_threads_for(device: torch.device) -> None:
         torch.set_num_threads(1)
 
 
-async def run_bench(opts: Options, bench_type: type[Bench] = Bench) -> Report:
-    """The whole run; ``bench_type``: a `Bench` whose cases a diagnostic replaces."""
+async def run_bench(opts: Options) -> Report:
+    """The whole run."""
     started = time.perf_counter()
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -1158,7 +1158,7 @@ async def run_bench(opts: Options, bench_type: type[Bench] = Bench) -> Report:
         )
     )
     runner = ModelRunner(model, paged, device, graphs=opts.launch == "graphs")
-    bench = bench_type(opts, report, runner)
+    bench = Bench(opts, report, runner)
     all_requests = {n: make_requests(opts, paged, n, device) for n in opts.lengths}
     workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=opts.l2_dir))
     l2_path = str(workdir / "l2")

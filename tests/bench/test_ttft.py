@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         pytest.fail(message, pytrace=False)
     pytest.skip(message, allow_module_level=True)
 
-from bench import ttft, ttft_stalls
+from bench import ttft
 from bench.ttft_model import TINY, PagedKV, PrefillGraphs, build_model, prefill
 from tiered_kv.sync import new_event_loop
 
@@ -330,23 +330,6 @@ def test_a_gpu_run_keeps_torch_host_ops_on_one_thread() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-
-
-def test_the_stall_diagnostic_times_each_variant_with_both_pools(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    threads = torch.get_num_threads()
-    ttft_stalls.main(["--tiny", "--lengths", "64", "--reps", "2"])
-    assert torch.get_num_threads() == threads  # the pool it found, given back
-    lines = [line for line in capsys.readouterr().out.splitlines() if "over 1.15x" in line]
-    cores = os.cpu_count() or 1
-    assert [line.split(":")[0] for line in lines] == [
-        f"[64] {t:3d} threads, {what:12s} {variant:5s}"
-        for t in (cores, 1)
-        for what in ("compute-only", "layerwise")
-        for variant in ("plain", "check")
-    ]
-    assert all(line.endswith("/2 over 1.15x the fastest") for line in lines)
 
 
 def test_short_cases_take_more_timed_runs_up_to_a_cap() -> None:

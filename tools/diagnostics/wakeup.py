@@ -1,6 +1,6 @@
 """How fast can another thread wake an idle asyncio loop? (What `CompletionWaiter` pays per call.)
 
-Run anywhere: ``PYTHONPATH=. python3 bench/wakeup.py``. For each way of waking, a loop sleeps in
+Run anywhere: ``PYTHONPATH=. python3 tools/diagnostics/wakeup.py``. For each way of waking, a loop sleeps in
 its selector for 20 ms while a thread (or a timer) fires; the figure is the median delay from
 the firing (the thread's call, or the timer's deadline) to the awaiting coroutine running.
 
@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.sync import new_event_loop

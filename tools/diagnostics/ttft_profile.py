@@ -1,6 +1,6 @@
 """Where the time of ``bench/ttft.py``'s slow cases goes (a diagnostic, not a figure).
 
-``PYTHONPATH=. python3 bench/ttft_profile.py [--tokens 32768] [--store-tokens 2048]
+``PYTHONPATH=. python3 tools/diagnostics/ttft_profile.py [--tokens 32768] [--store-tokens 2048]
 [--launch graphs|eager]``
 
 1. The one-token prefill over a resident prefix: a torch.profiler table of its GPU kernels.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install the wheels the GPU image lacks, run the GPU tests of the mover and the
-# layerwise paths, then a quick transfer benchmark. Usage on the device: bash bench/gpu_check.sh
+# layerwise paths, then a quick transfer benchmark. Usage on the device: bash tools/diagnostics/gpu_check.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:.
