@@ -10,8 +10,8 @@ microseconds (timer slack cut to 1 µs on Linux so the sleeps are that short). T
 callback runs on its event loop through ``call_soon_threadsafe``: no executor future, no task.
 
 Waking a loop that has slept for the whole transfer took about 210 µs on the GPU machine; one
-that was woken in the last few hundred microseconds wakes in about 60 (`tools/diagnostics/wakeup.py`). So in
-the last `PREWAKE_LEAD_S` before the predicted end, the waiter also pokes the loop with a no-op
+that was woken in the last few hundred microseconds wakes in about 60
+(`tools/diagnostics/wakeup.py`). So in the last `PREWAKE_LEAD_S` before the predicted end, the waiter also pokes the loop with a no-op
 every `PREWAKE_S`: a handful of empty loop iterations per call.
 """
 
