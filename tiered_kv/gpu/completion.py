@@ -11,8 +11,9 @@ callback runs on its event loop through ``call_soon_threadsafe``: no executor fu
 
 Waking a loop that has slept for the whole transfer took about 210 µs on the GPU machine; one
 that was woken in the last few hundred microseconds wakes in about 60
-(`tools/diagnostics/wakeup.py`). So in the last `PREWAKE_LEAD_S` before the predicted end, the waiter also pokes the loop with a no-op
-every `PREWAKE_S`: a handful of empty loop iterations per call.
+(`tools/diagnostics/wakeup.py`). So in the last `PREWAKE_LEAD_S` before the predicted end, the
+waiter also pokes the loop with a no-op every `PREWAKE_S`: a handful of empty loop iterations
+per call.
 """
 
 from __future__ import annotations
