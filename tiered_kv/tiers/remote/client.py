@@ -54,7 +54,7 @@ from tiered_kv.tiers.remote.connector import (
     RemoteConnector,
     default_pool_size,
 )
-from tiered_kv.tiers.remote.net import resolve
+from tiered_kv.tiers.remote.net import resolve, send_all
 from tiered_kv.tiers.remote.protocol import (
     DEFAULT_LIMITS,
     HEADER_LEN,
@@ -328,14 +328,7 @@ class _DataConnection:
             )
             parts.append(memoryview(head + request.meta))
             parts.extend(part for part in request.data if len(part))
-        while parts:
-            sent = sock.sendmsg(parts[:512])
-            while sent:
-                if sent >= len(parts[0]):
-                    sent -= len(parts.pop(0))
-                else:
-                    parts[0] = parts[0][sent:]
-                    sent = 0
+        send_all(sock, parts)
 
     def _receive(
         self, sock: socket.socket, request: _Request, head: bytearray, discard: memoryview

@@ -41,7 +41,7 @@ import typing
 from tiered_kv.codec import DEFAULT_LIMITS as CODEC_LIMITS
 from tiered_kv.codec import PREFIX_LEN, ChunkHeader, CodecLimits, decode_header, header_length
 from tiered_kv.errors import CodecError, ConfigError, ProtocolError
-from tiered_kv.tiers.remote.net import resolve
+from tiered_kv.tiers.remote.net import resolve, send_all
 from tiered_kv.tiers.remote.protocol import (
     DEFAULT_LIMITS,
     HEADER_LEN,
@@ -485,6 +485,10 @@ class _Connection:
             if self._header_since is None and reader.header_pending:
                 self._header_since = now
 
+    def _mark_active(self) -> None:
+        """The peer took some of our bytes: it is alive (the idle timeout restarts)."""
+        self._active_at = time.monotonic()
+
     # -- deadlines ----------------------------------------------------------------------------
     def _deadline(self) -> float | None:
         """When the next receive must have brought bytes (`ServerOptions.header_timeout_s`,
@@ -680,15 +684,7 @@ class _Connection:
         del data  # the views in ``parts`` go as they are sent (segments may then be pooled)
         sock = self.sock
         try:
-            while parts:
-                sent = sock.sendmsg(parts[:512])
-                self._active_at = time.monotonic()
-                while sent:
-                    if sent >= len(parts[0]):
-                        sent -= len(parts.pop(0))
-                    else:
-                        parts[0] = parts[0][sent:]
-                        sent = 0
+            send_all(sock, parts, self._mark_active)
         except BlockingIOError:  # SO_SNDTIMEO passed without a byte taken
             self.server._count("idle_timeouts")
             logger.info("tkv server: closing %s: takes none of our answer", self.peer)
