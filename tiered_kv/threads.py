@@ -76,6 +76,8 @@ class _Job(Generic[_T]):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolStats:
+    """`BlockingPool.stats()`: its threads and its queue now."""
+
     threads: int  # started so far (at most the pool's size)
     busy: int  # running a job now
     queued: int  # waiting for a thread
