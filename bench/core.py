@@ -30,13 +30,13 @@ import os
 import platform
 import pstats
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import aiofiles
@@ -119,10 +119,6 @@ class NullMover(KVMover):
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def median(samples: Sequence[float]) -> float:
-    return statistics.median(samples)
 
 
 def quantile(samples: Sequence[float], q: float) -> float:

@@ -80,6 +80,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -370,33 +371,6 @@ class Report:
 
 
 # -- ceilings -----------------------------------------------------------------------------------
-def h2d_ceiling(device: torch.device, nbytes: int, reps: int = 5) -> float:
-    """Bytes/s of the best of ``reps`` pinned host-to-device copies of ``nbytes`` (CPU: a plain
-    memory copy, the reference mover's ceiling)."""
-    best = math.inf
-    if device.type == "cuda":
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        for _ in range(reps + 1):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            dev.copy_(host, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        del host, dev
-    else:
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        for _ in range(reps + 1):
-            start_s = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - start_s)
-    return nbytes / best
-
-
 def l2_files(directory: str, max_bytes: int) -> list[Path]:
     """The L2 chunk files, largest prompt's worth at most (``max_bytes``)."""
     files = sorted(Path(directory).glob("??/*"))
@@ -622,10 +596,6 @@ async def open_engine(
 
 
 # -- measurements -------------------------------------------------------------------------------
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 class Bench:
     def __init__(self, opts: Options, report: Report, runner: ModelRunner) -> None:
         self.opts = opts
@@ -819,7 +789,17 @@ class Bench:
         self.recompute_logits[(n, 100)] = self.report.logits[(n, 100, "recompute", "-")] = reference
         times = await self.timed_prefill(f"{n} tokens, recompute", stored, 0, reference)
         self.recompute_s[n] = median(times)
-        self.add(Case(n, 0, "recompute", "-", median(times), times, recompute_s=median(times)))
+        self.add(
+            Case(
+                n,
+                0,
+                "recompute",
+                "-",
+                median(times),
+                times,
+                recompute_s=median(times),
+            )
+        )
         log(f"[{n}] recompute prefill: {1e3 * median(times):.1f} ms (median of {len(times)})")
         await self.store_slowdown(n, stored, l1, reference)
         # The paged cache holds the stored prompt's KV now: prefill the rest over it.
@@ -1139,7 +1119,7 @@ async def run_bench(opts: Options) -> Report:
         report.device_name = torch.cuda.get_device_name(device)
     else:
         report.device_name, report.ceiling_label = "cpu", "memcpy (CPU)"
-    report.h2d_gbps = h2d_ceiling(device, opts.ceiling_bytes) / 1e9
+    report.h2d_gbps = ceilings.copy_gbps(str(device), opts.ceiling_bytes)
     log(f"device {report.device_name}; {report.ceiling_label} ceiling {report.h2d_gbps:.1f} GB/s")
     t0 = time.perf_counter()
     model = build_model(opts.shape, device, opts.seed)

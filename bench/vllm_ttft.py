@@ -37,6 +37,7 @@ import tempfile
 import time
 from typing import Any
 
+from tiered_kv.benchmarks import ceilings
 from tiered_kv.benchmarks.ceilings import drop_page_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -70,20 +71,6 @@ def _run(workdir: pathlib.Path, name: str, spec: dict[str, Any]) -> dict[str, An
         raise SystemExit(f"vLLM run {name} failed ({proc.returncode}):\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
-
-
-def _copy_seconds(nbytes: int, repeats: int = 5) -> float:
-    """Best time to copy ``nbytes`` between two host tensors (the memory-copy floor of a load)."""
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def _read_seconds(directory: pathlib.Path) -> tuple[int, float]:
@@ -195,7 +182,7 @@ def main() -> None:
             times.setdefault(name, []).extend(values)
     claimed = (args.tokens - 1) // BLOCK * BLOCK
     kv_bytes = claimed * KV_BYTES_PER_TOKEN
-    copy_s = _copy_seconds(kv_bytes)
+    copy_s = kv_bytes / (ceilings.copy_gbps(nbytes=kv_bytes) * 1e9)
     disk_rate = statistics.median(times.pop("disk_read_bytes_per_s"))
     med = {name: statistics.median(values) for name, values in times.items()}
     best = {name: min(values) for name, values in times.items()}

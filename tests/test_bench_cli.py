@@ -140,8 +140,9 @@ def test_bench_prefetch_measures_each_lower_tier_against_its_own_ceiling(tmp_pat
         ours = float(cells[0])
         assert ours > 0, path
         if cells[1] != "-":
+            # Printed to two decimals: the ratio of the rounded figures is near, not equal.
             assert float(cells[1]) > 0 and float(cells[2]) == pytest.approx(
-                ours / float(cells[1]), abs=0.01
+                ours / float(cells[1]), rel=0.05, abs=0.02
             )
     assert "page cache -> memory, readinto: 1 threads" in result.stderr
     assert "loopback TCP, a process per end: 1 streams" in result.stderr

@@ -7,6 +7,8 @@
   where the filesystem refuses ``O_DIRECT``.
 - `loopback_tcp_gbps`: N TCP streams on loopback, a sender process and this process receiving
   with blocking ``recv_into`` on one thread per stream (the L3 ceiling at N connections).
+- `copy_gbps`: pinned host-to-device copies on a CUDA device, plain memory copies on the CPU
+  (the bound of every load from host memory). Imports torch when called.
 
 Benchmarks call these in the same run as their own figures and report ratios to them.
 """
@@ -219,3 +221,34 @@ def loopback_tcp_gbps(
                     sender.kill()
         results.append(message_bytes * messages * streams / elapsed / 1e9)
     return statistics.median(results)
+
+
+def copy_gbps(device: str = "cpu", nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """GB/s of the best of ``reps`` copies of ``nbytes``: pinned host to ``device`` when it is
+    a CUDA device (timed with CUDA events), host to host otherwise; one untimed copy first
+    (page faults, lazy initialisation)."""
+    import torch
+
+    target_device = torch.device(device)
+    cuda = target_device.type == "cuda"
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    if cuda:
+        source = source.pin_memory()
+    target = torch.empty(nbytes, dtype=torch.uint8, device=target_device)
+    target.copy_(source, non_blocking=cuda)
+    best = float("inf")
+    for _ in range(reps):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize(target_device)
+            start.record()
+            target.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            target.copy_(source)
+            best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.benchmarks import ceilings
 from tiered_kv.benchmarks.common import (
     DEFAULT_OUT,
     load_pyplot,
@@ -124,19 +125,6 @@ def conversation_plan(workload: Workload) -> list[list[list[int]]]:
                 histories[user] += [rng.randrange(1, 32000) for _ in range(replied)]
             rounds.append(batch)
     return rounds
-
-
-def memcpy_ceiling(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Host memcpy GB/s (best of ``reps`` copies of ``nbytes``), measured now."""
-    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    target = torch.empty_like(source)
-    target.copy_(source)  # first touch of every page
-    best = float("inf")
-    for _ in range(reps):
-        started = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - started)
-    return nbytes / best / 1e9
 
 
 async def run_scenario(
@@ -331,7 +319,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     rounds = conversation_plan(workload)
     scenarios = [Scenario(p, lead) for lead in args.lead_ms for p in (False, True)]
     progress = Progress(1 + len(scenarios), "workload", plain_lines=1 + len(scenarios))
-    memcpy_gbps = memcpy_ceiling()
+    memcpy_gbps = ceilings.copy_gbps()
     progress.advance("ceiling measured")
     results: list[Result] = []
     for scenario in scenarios:
