@@ -834,7 +834,7 @@ async def test_read_error_is_a_miss_and_keeps_the_file(
         target.unref()
 
 
-# -- a full disk, a removed directory (issue 11) -------------------------------------------------
+# -- a full disk, a removed directory ------------------------------------------------------------
 def temp_files(root: Path) -> list[str]:
     return [name for name in files_under(root) if name.endswith(".tmp")]
 

@@ -13,7 +13,7 @@ from tiered_kv.errors import KernelCompileError
 from tiered_kv.gpu import kernels
 from tiered_kv.gpu.plan import MAX_JOBS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -360,7 +360,7 @@ def test_cli_serve_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
             process.communicate()
 
 
-# -- hostile clients (issue 11, defect 2) -------------------------------------------------------
+# -- hostile clients ------------------------------------------------------------------------------
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():

@@ -1,4 +1,6 @@
-"""Defects the fault and load probes found (issue 11), each reproduced as it was reported."""
+"""The engine's contracts under load and misuse: a retrieve of a prefix that grew since its
+lookup, hot prefixes kept through L2 eviction and a restart, close with calls in flight and
+after, and arguments of the wrong type refused with an error that names them."""
 
 from __future__ import annotations
 
