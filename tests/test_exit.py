@@ -1,9 +1,10 @@
 """A script that ends without closing its engine (as a vLLM script that just ends does).
 
-The blocking facade's exit hook closes the engine: the L2 writes still queued when the script
-ended are flushed (a fresh process finds every chunk, bit for bit), and nothing raises at exit
-(before the data planes owned their threads, the close met ``RuntimeError: cannot schedule new
-futures after interpreter shutdown`` from the loop's default executor).
+The blocking facade's exit hook closes the engine, even one its owner no longer references:
+the L2 writes still queued when the script ended are flushed (a fresh process finds every
+chunk, bit for bit), and nothing raises at exit (before the data planes owned their threads,
+the close met ``RuntimeError: cannot schedule new futures after interpreter shutdown`` from
+the loop's default executor).
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ import torch
 from tests.kvfactory import make_caches
 from tiered_kv import EngineConfig, SyncTieredKVEngine
 
-caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=64, seed=7)
-config = EngineConfig(chunk_size=32, l1_size="8MiB", l2_path=sys.argv[1], l2_fsync=True)
-engine = SyncTieredKVEngine(config)
-engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-tokens = list(range(5000, 5000 + 32 * 12))
-assert engine.store(tokens, list(range(24))) == len(tokens)
-print("stored", flush=True)
-# No close: the interpreter exits with the L2 writes still queued.
+def serve() -> None:
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=64, seed=7)
+    config = EngineConfig(chunk_size=32, l1_size="8MiB", l2_path=sys.argv[1], l2_fsync=True)
+    engine = SyncTieredKVEngine(config)
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    tokens = list(range(5000, 5000 + 32 * 12))
+    assert engine.store(tokens, list(range(24))) == len(tokens)
+    print("stored", flush=True)
+
+# No close, and no reference kept: the interpreter exits with the L2 writes still queued.
+serve()
 """
 
 

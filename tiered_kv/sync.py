@@ -17,7 +17,6 @@ import atexit
 import functools
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -36,7 +35,9 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
-_open_facades: weakref.WeakSet[SyncTieredKVEngine] = weakref.WeakSet()
+# Strong references: a facade its owner dropped without closing still has a running loop and
+# writes to flush, so the exit hook must still find it. `close` takes it out.
+_open_facades: set[SyncTieredKVEngine] = set()
 
 
 @atexit.register
