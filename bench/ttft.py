@@ -388,13 +388,6 @@ def ceiling_entry(what: str, sweep: dict[int, float | None], ours: int) -> dict[
     return {"what": what, "gbps": sweep[ours], "sweep": sweep}
 
 
-def sweep_text(sweep: dict[int, float | None]) -> str:
-    return (
-        ", ".join(f"{n}: " + ("-" if v is None else f"{v:.2f}") for n, v in sorted(sweep.items()))
-        + " GB/s"
-    )
-
-
 def disk_read_ceiling(directory: str, max_bytes: int) -> float | None:
     """Bytes/s of plain sequential ``readinto`` of the L2 files (page cache dropped first), up
     to ``max_bytes``: what the disk gives without the engine."""
@@ -1198,7 +1191,7 @@ async def run_bench(opts: Options) -> Report:
                 report.tier_ceilings["L3"] = ceiling_entry(
                     f"loopback TCP, a process per end, {streams} streams", tcp, streams
                 )
-                log(f"L3 ceiling: loopback TCP by 1..8 streams: {sweep_text(tcp)}")
+                log(f"L3 ceiling: loopback TCP by 1..8 streams: {ceilings.sweep_text(tcp)}")
                 async with open_engine(opts, paged, l3_url=l3_url) as engine:
                     for n in opts.lengths:
                         await bench.load_cases(
@@ -1242,7 +1235,7 @@ async def l2_phase(
     report.tier_ceilings["L2 warm"] = ceiling_entry(
         f"page cache -> memory, readinto, {threads} threads", warm, threads
     )
-    log(f"L2 warm ceiling: page-cache readinto by 1..16 threads: {sweep_text(warm)}")
+    log(f"L2 warm ceiling: page-cache readinto by 1..16 threads: {ceilings.sweep_text(warm)}")
     async with open_engine(opts, paged, l2_path=l2_path) as engine:
         evict = evictor(engine)
         for n in opts.lengths:
@@ -1252,7 +1245,9 @@ async def l2_phase(
             report.tier_ceilings["L2 cold"] = ceiling_entry(
                 f"disk, O_DIRECT after fadvise, {threads} in flight", direct, threads
             )
-            log(f"L2 cold ceiling: O_DIRECT reads by 1..16 in flight: {sweep_text(direct)}")
+            log(
+                f"L2 cold ceiling: O_DIRECT reads by 1..16 in flight: {ceilings.sweep_text(direct)}"
+            )
         report.disk_gbps = (disk_read_ceiling(l2_path, opts.disk_probe_bytes) or 0.0) / 1e9
         log(
             f"L2 disk: plain sequential reads at {report.disk_gbps:.2f} GB/s with the page "

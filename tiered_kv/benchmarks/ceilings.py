@@ -23,11 +23,21 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 _DIRECT_ALIGN = 4096
 _SOCKET_TIMEOUT_S = 60.0  # a loopback ceiling's accept and receives; a dead sender raises
+
+
+def sweep_text(sweep: Mapping[int, float | None], unit: str = "") -> str:
+    """A ceiling sweep as one log line: ``1 threads: 6.67, 4 threads: 21.64 GB/s`` ("-" where
+    it could not be measured)."""
+    parts = [
+        (f"{n} {unit}" if unit else f"{n}") + (": -" if v is None else f": {v:.2f}")
+        for n, v in sorted(sweep.items())
+    ]
+    return ", ".join(parts) + " GB/s"
 
 
 def _parallel(jobs: Sequence[Callable[[int], None]], threads: int) -> float:

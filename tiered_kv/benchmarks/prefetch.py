@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,11 +44,6 @@ HEADS, HEAD_SIZE = 8, 128  # bf16 K and V: 1 MiB per layer of a 256-token chunk
 
 THREAD_SWEEP = (1, 4, 8, 16)
 STREAM_SWEEP = (1, 4, 8)
-
-
-def _sweep_text(sweep: Mapping[int, float | None], unit: str) -> str:
-    parts = [f"{n} {unit}: " + ("-" if v is None else f"{v:.2f}") for n, v in sorted(sweep.items())]
-    return ", ".join(parts) + " GB/s"
 
 
 def log(message: str) -> None:
@@ -149,7 +144,7 @@ async def _l2_rows(
         threads = l2.read_parallelism
         paths = sorted(p for p in (workdir / "l2").glob("??/*") if p.is_file())
         sweep = {n: ceilings.page_cache_read_gbps(paths, n) for n in THREAD_SWEEP}
-        log("page cache -> memory, readinto: " + _sweep_text(sweep, "threads"))
+        log("page cache -> memory, readinto: " + ceilings.sweep_text(sweep, "threads"))
         # The ceiling at our thread count, before and after ours (the better of the two).
         before = ceilings.page_cache_read_gbps(paths, threads)
         stats_before = l2.stats()
@@ -173,7 +168,7 @@ async def _l2_rows(
             cold += await _time_prefetch(engine, tokens, 1)
         direct = {n: ceilings.direct_read_gbps(paths, n) for n in (*THREAD_SWEEP, threads)}
         if direct[threads] is not None:
-            log("disk (fadvise-dropped), O_DIRECT: " + _sweep_text(direct, "in flight"))
+            log("disk (fadvise-dropped), O_DIRECT: " + ceilings.sweep_text(direct, "in flight"))
         ours = total / statistics.median(cold) / 1e9
         rows.append(
             Row("L2 cold (fadvise-dropped)", ours, direct[threads], f"O_DIRECT, {threads} threads")
@@ -208,7 +203,7 @@ async def _l3_row(
         )
         for n in sorted({*STREAM_SWEEP, streams})
     }
-    log("loopback TCP, a process per end: " + _sweep_text(tcp_sweep, "streams"))
+    log("loopback TCP, a process per end: " + ceilings.sweep_text(tcp_sweep, "streams"))
     tcp = tcp_sweep[streams]
     log(f"L3: ours {ours:.2f} GB/s, loopback TCP x{streams} {tcp:.2f} GB/s")
     return Row("L3 (tiered-kv serve, loopback)", ours, tcp, f"TCP, {streams} streams")
