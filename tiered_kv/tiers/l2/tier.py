@@ -153,7 +153,7 @@ class DiskTier(LowerTier):
         threads = default_io_threads() if io_threads is None else io_threads
         # Reads have threads of their own: a burst of writes never queues a load behind it.
         self._read_pool = BlockingPool("tkv-l2-read", threads)
-        self._pool = BlockingPool("tkv-l2-write", write_threads(threads))
+        self._write_pool = BlockingPool("tkv-l2-write", write_threads(threads))
         self._lock = DirectoryLock(self.root, file_ops)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, Entry] = collections.OrderedDict()
@@ -176,8 +176,8 @@ class DiskTier(LowerTier):
             raise EngineStateError(f"DiskTier.open: already {self._state}; open is called once")
         try:
             try:
-                await self._pool.run(self._lock.acquire)
-                rebuilt = await self._pool.run(
+                await self._write_pool.run(self._lock.acquire)
+                rebuilt = await self._write_pool.run(
                     functools.partial(rebuild_index, self.root, self.limits)
                 )
             except OSError as exc:
@@ -195,9 +195,9 @@ class DiskTier(LowerTier):
             self._index.clear()
             self._bytes_used = 0
             # A failed open may be tried again: its threads end, a new pool serves the retry.
-            await self._pool.aclose()
+            await self._write_pool.aclose()
             await self._read_pool.aclose()
-            self._pool = BlockingPool(self._pool.name, self._pool.size)
+            self._write_pool = BlockingPool(self._write_pool.name, self._write_pool.size)
             self._read_pool = BlockingPool(self._read_pool.name, self._read_pool.size)
             raise
         self._state = "open"
@@ -223,7 +223,7 @@ class DiskTier(LowerTier):
         self._lock.release()
         self._index.clear()
         self._bytes_used = 0
-        await self._pool.aclose()
+        await self._write_pool.aclose()
         await self._read_pool.aclose()
 
     def _check_open(self, verb: str) -> None:
@@ -300,7 +300,9 @@ class DiskTier(LowerTier):
         self._busy.update(events)
         self._bytes_deleted += sum(entry.size for _, entry in victims)
         try:
-            await self._pool.run(functools.partial(unlink_paths, [e.path for _, e in victims]))
+            await self._write_pool.run(
+                functools.partial(unlink_paths, [e.path for _, e in victims])
+            )
         finally:
             for key, event in events:
                 del self._busy[key]
@@ -327,7 +329,7 @@ class DiskTier(LowerTier):
         try:
             if size + self._reserved > self._effective_capacity:
                 # Even an empty tier would not hold it on this filesystem: has space come back?
-                free_bytes = await self._pool.run(
+                free_bytes = await self._write_pool.run(
                     functools.partial(self.file_ops.free_bytes, self.root)
                 )
                 self._fit_to_filesystem(free_bytes)
@@ -392,7 +394,7 @@ class DiskTier(LowerTier):
             deleted_before = self._bytes_deleted
             started = time.perf_counter()
             try:
-                await self._pool.run(functools.partial(store_chunk, job), job.abort)
+                await self._write_pool.run(functools.partial(store_chunk, job), job.abort)
             except asyncio.CancelledError:
                 # Cancelled after the rename: the chunk is complete, so keep it indexed.
                 if job.committed:
@@ -459,7 +461,7 @@ class DiskTier(LowerTier):
         """The directory was recreated: drop the entries whose files went with the old one."""
         self._counters["directory_recreated"] += 1
         snapshot = list(self._index.items())
-        gone_flags = await self._pool.run(
+        gone_flags = await self._write_pool.run(
             functools.partial(vanished, [entry.path for _, entry in snapshot])
         )
         for (key, entry), gone in zip(snapshot, gone_flags, strict=True):
@@ -540,7 +542,7 @@ class DiskTier(LowerTier):
         if not stamps:
             return
         try:
-            failures = await self._pool.run(functools.partial(set_mtimes, stamps))
+            failures = await self._write_pool.run(functools.partial(set_mtimes, stamps))
         except Exception:  # recency is a hint: the in-memory order stands
             logger.warning("L2: stamping %d touched files failed", len(stamps), exc_info=True)
             failures = len(stamps)
