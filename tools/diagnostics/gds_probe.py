@@ -45,7 +45,11 @@ def _cufile_pass(cufile, paths, gpu: torch.Tensor, size: int, threads: int) -> f
             descr.type = cufile.FileHandleType.OPAQUE_FD
             descr.handle.fd = fd
             descr.fs_ops = 0
+            if descr.handle.fd != fd:
+                raise RuntimeError(f"Descr kept fd {descr.handle.fd}, not {fd}")
             handle = cufile.handle_register(descr.ptr)
+            if slot == 0 and index == 0:
+                print(f"  registered fd {fd} as handle {handle:#x}", flush=True)
             try:
                 got = cufile.read(handle, gpu.data_ptr(), size, 0, index * size)
                 if got != size:

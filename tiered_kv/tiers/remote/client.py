@@ -79,9 +79,10 @@ _PIPELINE_BYTES = 64 << 10
 # Requests sent and not yet answered on one connection, at most.
 _MAX_IN_FLIGHT = 256
 _DISCARD_BYTES = 1 << 20
-# Payload is received in pieces of this size at most (MSG_WAITALL), each hashed while it is
-# still in cache.
-_RECEIVE_PIECE = 1 << 20
+# Payload is received in pieces of this size at most (MSG_WAITALL: one system call each), each
+# hashed as it lands. Large, because every return retakes the GIL, which a busy Python thread
+# beside the receivers holds for up to the switch interval (see tiered_kv/tiers/l2/files.py).
+_RECEIVE_PIECE = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
