@@ -21,6 +21,10 @@ import pytest
 from tests.remote_fixtures import redis_url  # noqa: F401 - a fixture
 from tests.vllm.l3_server import l3_server
 
+# Importing vLLM in the test process (to compute the connector's default fingerprint) trips
+# torch's own deprecation warnings; the runs in subprocesses never see them.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
+
 HERE = pathlib.Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_runner.py"
 RUN_TIMEOUT_S = 300
@@ -207,15 +211,22 @@ def test_fresh_process_hits_in_multiprocess_mode(
     assert _cached(out) == [64, 96]  # P1: 96 tokens, the last block is recomputed
 
 
-def _offline_engine(l2: pathlib.Path) -> Any:
-    """An engine with the same key scope and layout as the connector's worker, for tests that
-    inspect or poison what vLLM stored."""
+def _offline_engine(l2: pathlib.Path, model_dir: pathlib.Path) -> Any:
+    """An engine with the same key scope and layout as the connector's worker (the connector's
+    default fingerprint of the model included), for tests that inspect or poison what vLLM
+    stored."""
     import torch
 
     from tiered_kv import EngineConfig, SyncTieredKVEngine
 
     engine = SyncTieredKVEngine(
-        EngineConfig(chunk_size=CHUNK, l1_size="64MiB", l2_path=str(l2), l2_size="1GiB")
+        EngineConfig(
+            chunk_size=CHUNK,
+            l1_size="64MiB",
+            l2_path=str(l2),
+            l2_size="1GiB",
+            fingerprint=_default_fingerprint(model_dir),
+        )
     )
     caches = {
         f"model.layers.{i}.self_attn.attn": torch.zeros((8, 2, BLOCK, 64), dtype=torch.float32)
@@ -227,8 +238,20 @@ def _offline_engine(l2: pathlib.Path) -> Any:
     return engine, caches
 
 
-def _chunk_file(l2: pathlib.Path, tokens: list[int], index: int) -> pathlib.Path:
-    engine, _ = _offline_engine(l2)
+def _default_fingerprint(model_dir: pathlib.Path) -> str:
+    """The fingerprint the connector gives the runner's model (same dtype, no parallelism)."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from tiered_kv.integrations.vllm import default_fingerprint
+
+    model = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512)
+    return default_fingerprint(VllmConfig(model_config=model))
+
+
+def _chunk_file(
+    l2: pathlib.Path, model_dir: pathlib.Path, tokens: list[int], index: int
+) -> pathlib.Path:
+    engine, _ = _offline_engine(l2, model_dir)
     try:
         name = engine.engine.chunk_keys(tokens)[index].hex
     finally:
@@ -246,7 +269,7 @@ def test_corrupt_l2_chunk_is_recomputed(
     output is unchanged, and the failed read is counted."""
     l2 = workdir / "l2-corrupt"
     shutil.copytree(cold_l2, l2)
-    victim = _chunk_file(l2, P2, 1)  # P2's second chunk, tokens [64, 96)
+    victim = _chunk_file(l2, model_dir, P2, 1)  # P2's second chunk, tokens [64, 96)
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -268,7 +291,7 @@ def test_negative_control_poisoned_kv_changes_output(
     import torch
 
     l2 = workdir / "l2-poisoned"
-    engine, caches = _offline_engine(l2)
+    engine, caches = _offline_engine(l2, model_dir)
     try:
         generator = torch.Generator().manual_seed(0)
         for cache in caches.values():

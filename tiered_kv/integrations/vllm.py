@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.engine_host import EngineHost
+from tiered_kv.integrations.fingerprint import model_fingerprint
 from tiered_kv.integrations.lookup_channel import (
     LookupClient,
     default_socket_dir,
@@ -98,6 +100,15 @@ class ConnectorOptions:
 
 
 _OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(ConnectorOptions))
+
+
+def fingerprint_given(
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> bool:
+    """Whether the user set ``fingerprint`` (in the extra config or ``TIERED_KV_FINGERPRINT``,
+    even to ""): theirs wins over `default_fingerprint`."""
+    environ = os.environ if environ is None else environ
+    return "fingerprint" in (extra or {}) or "TIERED_KV_FINGERPRINT" in environ
 
 
 def parse_extra_config(
@@ -282,6 +293,17 @@ class TieredKVConnector(KVConnectorBase_V1):
                     transfer.kv_load_failure_policy,
                 )
         else:
+            if not fingerprint_given(transfer.kv_connector_extra_config):
+                started = time.perf_counter()
+                fingerprint = default_fingerprint(vllm_config)
+                self.engine_config = dataclasses.replace(
+                    self.engine_config, fingerprint=fingerprint
+                )
+                logger.info(
+                    "TieredKVConnector: model fingerprint %s (%.3f s)",
+                    fingerprint,
+                    time.perf_counter() - started,
+                )
             self._host = EngineHost(self.engine_config)
 
     # ======================================================================================
@@ -679,6 +701,52 @@ def _cacheable(request: Request) -> bool:
     )
 
 
+def default_fingerprint(vllm_config: VllmConfig) -> str:
+    """The chunk keys' ``fingerprint`` when the user gives none: `model_fingerprint` over the
+    model's config (vLLM's, overrides applied), its weight files (a local directory, or the
+    Hugging Face cache snapshot of a hub model), dtype, KV cache dtype, quantization and the
+    parallel sizes. Raises `ConfigError` when the weights cannot be found locally (weights
+    streamed from object storage, ModelScope): set ``fingerprint`` then."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    config = {
+        key: value
+        for key, value in model.hf_config.to_dict().items()
+        if not key.startswith("_") and key != "transformers_version"
+    }
+    return model_fingerprint(
+        weights_path=_local_weights(model),
+        model_config=config,
+        dtype=str(model.dtype),
+        kv_cache_dtype=str(cache.cache_dtype),
+        tensor_parallel_size=int(parallel.tensor_parallel_size),
+        pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+        extra={
+            "quantization": model.quantization,
+            "kv_cache_dtype_skip_layers": list(getattr(cache, "kv_cache_dtype_skip_layers", [])),
+        },
+    )
+
+
+def _local_weights(model: Any) -> str:
+    """Where the model's weights are on this machine: its path, or its Hugging Face cache
+    snapshot (vLLM has downloaded it by the time the worker starts)."""
+    name = str(model.model)
+    if os.path.exists(name):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(name, revision=model.revision, local_files_only=True))
+    except Exception as exc:
+        raise ConfigError(
+            f"TieredKVConnector: cannot find the weights of {name!r} on this machine to "
+            f"fingerprint them ({type(exc).__name__}: {exc}); set 'fingerprint' in "
+            "kv_connector_extra_config to a tag that changes whenever the weights do"
+        ) from None
+
+
 def _head_position_order(vllm_config: VllmConfig) -> str | None:
     """Return "HND" or "NHD": whether heads or positions come first in memory in vLLM's resolved KV
     cache layout (0.32 names layouts by the memory order of [L, B, H, N, C]); None if unknown.
@@ -710,6 +778,8 @@ __all__ = [
     "TieredKVConnectorStats",
     "TieredKVMetadata",
     "SCHEDULER_STATS",
+    "default_fingerprint",
+    "fingerprint_given",
     "WORKER_STATS",
     "parse_extra_config",
 ]
