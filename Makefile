@@ -15,7 +15,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 # requirements-lock.txt pins every package the core venv installs (torch aside: TORCH_SPEC), so an
 # upstream release cannot turn a fresh clone red; `make lock` re-resolves it on purpose.
 LOCK := requirements-lock.txt
-EXTRAS := test,dev,metrics,redis,bench
+EXTRAS := test,dev,metrics,redis,mooncake,bench
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)

@@ -94,8 +94,10 @@ class EngineConfig:
     l2_size: capacity of the disk tier in bytes (LRU beyond it).
     l3_url: remote tier URL; None disables it. ``tkv://host:port`` (``tiered-kv serve``),
         ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, or a Cluster form
-        (``redis+cluster://host:port``, ``valkey+cluster://...``); see `L3_SCHEMES`. Redis and
-        Valkey need the ``redis`` extra (``pip install 'tiered-kv[redis]'``).
+        (``redis+cluster://host:port``, ``valkey+cluster://...``), or
+        ``mooncake://master:port?...`` (Mooncake Store; `MooncakeOptions`); see `L3_SCHEMES`.
+        Redis and Valkey need the ``redis`` extra (``pip install 'tiered-kv[redis]'``),
+        Mooncake the ``mooncake`` extra.
     l3_timeout_s: bound on every remote request; beyond it the request is a miss / skipped store.
     l3_token_file: file holding the shared token of a ``tkv://`` server (for Redis: the password
         when the URL has none).
@@ -323,7 +325,8 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class L3Scheme:
     """What an ``l3_url`` scheme stands for: which store (``"tkv"``: the built-in server,
-    ``"redis"``: Redis or Valkey), over TLS or not, one node or a Cluster."""
+    ``"redis"``: Redis or Valkey, ``"mooncake"``: Mooncake Store), over TLS or not, one node or
+    a Cluster."""
 
     store: str
     tls: bool = False
@@ -341,12 +344,95 @@ L3_SCHEMES: Mapping[str, L3Scheme] = MappingProxyType(
         "rediss+cluster": L3Scheme("redis", tls=True, cluster=True),
         "valkey+cluster": L3Scheme("redis", cluster=True),
         "valkeys+cluster": L3Scheme("redis", tls=True, cluster=True),
+        "mooncake": L3Scheme("mooncake"),
     }
 )
 """The one table of L3 URL schemes; `tiered_kv.tiers.factory` maps each store to its connector."""
 
 # The Python package each store needs beyond the core dependencies, and the extra that brings it.
-_STORE_PACKAGES = {"redis": ("redis", "redis")}
+_STORE_PACKAGES = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}
+
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+_MOONCAKE_QUERY = (
+    "metadata",
+    "segment",
+    "local_buffer",
+    "protocol",
+    "devices",
+    "local_hostname",
+    "replicas",
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MooncakeOptions:
+    """The query of a ``mooncake://MASTER:PORT?...`` URL (docs/remote.md): ``metadata`` the
+    transfer engine's metadata server (default ``http://MASTER:8080/metadata``, the master's own
+    HTTP metadata server; ``P2PHANDSHAKE`` for none), ``segment`` the bytes this engine lends to
+    the pool (default 1GiB; 0 lends none), ``local_buffer`` the client's own staging buffer
+    (default 16MiB; transfers go straight from and into L1), ``protocol`` ``tcp`` or ``rdma``,
+    ``devices`` the RDMA devices (comma-separated, e.g. ``mlx5_0,mlx5_1``), ``local_hostname``
+    the address other engines reach this one's segment at (default ``127.0.0.1`` when the master
+    is on loopback, else this host's name), ``replicas`` copies of every chunk (default 1)."""
+
+    master: str
+    metadata: str
+    segment_bytes: int = 1 << 30
+    local_buffer_bytes: int = 16 << 20
+    protocol: str = "tcp"
+    devices: str = ""
+    local_hostname: str = "127.0.0.1"
+    replicas: int = 1
+
+
+def _mooncake_options(url: str, parts: urllib.parse.SplitResult) -> MooncakeOptions:
+    assert parts.hostname is not None and parts.port is not None  # checked by the caller
+    try:
+        query = urllib.parse.parse_qs(parts.query, keep_blank_values=True, strict_parsing=False)
+    except ValueError as exc:
+        raise ConfigError(f"l3_url: bad query in {url!r}: {exc}") from None
+    values: dict[str, str] = {}
+    for name, given in query.items():
+        if name not in _MOONCAKE_QUERY:
+            raise ConfigError(
+                f"l3_url: unknown mooncake:// option {name!r} in {url!r}; "
+                f"use {', '.join(_MOONCAKE_QUERY)}"
+            )
+        if len(given) != 1:
+            raise ConfigError(f"l3_url: mooncake:// option {name!r} given {len(given)} times")
+        values[name] = given[0]
+    host = parts.hostname
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    netloc_host = f"[{host}]" if ":" in host else host
+    protocol = values.get("protocol", "tcp")
+    if protocol not in MOONCAKE_PROTOCOLS:
+        raise ConfigError(
+            f"l3_url: mooncake:// protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, "
+            f"got {protocol!r}"
+        )
+    replicas_raw = values.get("replicas", "1")
+    if not replicas_raw.isdigit() or int(replicas_raw) < 1:
+        raise ConfigError(f"l3_url: mooncake:// replicas must be an int >= 1, got {replicas_raw!r}")
+    metadata = values.get("metadata", f"http://{netloc_host}:8080/metadata")
+    if not metadata:
+        raise ConfigError(f"l3_url: mooncake:// metadata is empty in {url!r}")
+    local_hostname = values.get("local_hostname")
+    if local_hostname is None:
+        import socket
+
+        local_hostname = "127.0.0.1" if loopback else socket.gethostname()
+    return MooncakeOptions(
+        master=f"{netloc_host}:{parts.port}",
+        metadata=metadata,
+        segment_bytes=parse_size(values.get("segment", "1GiB"), name="mooncake:// segment"),
+        local_buffer_bytes=parse_size(
+            values.get("local_buffer", "16MiB"), name="mooncake:// local_buffer"
+        ),
+        protocol=protocol,
+        devices=values.get("devices", ""),
+        local_hostname=local_hostname,
+        replicas=int(replicas_raw),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -358,6 +444,7 @@ class L3Url:
     scheme: L3Scheme
     host: str
     port: int | None
+    mooncake: MooncakeOptions | None = None  # for a mooncake:// URL, its query
 
 
 def parse_l3_url(url: object) -> L3Url:
@@ -381,13 +468,19 @@ def parse_l3_url(url: object) -> L3Url:
         raise ConfigError(f"l3_url: no host in {url!r}")
     if scheme.store == "tkv" and port is None:
         raise ConfigError(f"l3_url: tkv:// needs a port, e.g. tkv://127.0.0.1:7474; got {url!r}")
+    if scheme.store == "mooncake" and port is None:
+        raise ConfigError(
+            f"l3_url: mooncake:// needs the master's RPC port, e.g. mooncake://10.0.0.5:50051; "
+            f"got {url!r}"
+        )
     needed = _STORE_PACKAGES.get(scheme.store)
     if needed is not None and importlib.util.find_spec(needed[0]) is None:
         raise ConfigError(
             f"l3_url: {parts.scheme}:// needs the {needed[0]!r} package, which is not installed; "
             f"install the extra: pip install 'tiered-kv[{needed[1]}]'"
         )
-    return L3Url(url, parts.scheme, scheme, parts.hostname, port)
+    mooncake = _mooncake_options(url, parts) if scheme.store == "mooncake" else None
+    return L3Url(url, parts.scheme, scheme, parts.hostname, port, mooncake)
 
 
 def _l3_from_env_string(name: str, raw: str) -> Any:

@@ -44,8 +44,21 @@ def _redis_connector(config: EngineConfig, url: L3Url, token: bytes | None) -> R
     )
 
 
+def _mooncake_connector(config: EngineConfig, url: L3Url, token: bytes | None) -> RemoteConnector:
+    from tiered_kv.tiers.remote.mooncake_store import MooncakeConnector
+
+    assert url.mooncake is not None  # parse_l3_url parses a mooncake:// URL's query
+    pool_size: int | None = config.l3_pool_size  # None: sized from the machine
+    return MooncakeConnector(
+        url.mooncake,
+        key_prefix=config.l3_key_prefix,
+        timeout_s=config.l3_timeout_s,
+        connections=max(default_pool_size() if pool_size is None else pool_size, 8),
+    )
+
+
 CONNECTORS: Mapping[str, ConnectorFactory] = MappingProxyType(
-    {"tkv": _tkv_connector, "redis": _redis_connector}
+    {"tkv": _tkv_connector, "redis": _redis_connector, "mooncake": _mooncake_connector}
 )
 
 

@@ -202,6 +202,7 @@ class RemoteTier(LowerTier):
         specs = obj.group_specs()
         buffers = obj.group_buffers()
         key_bytes = key.to_bytes()
+        self.connector.use_host_memory(obj.arena.base_ptr, obj.arena.capacity)
         started = time.perf_counter()
         try:
             header = encode_header(
@@ -226,6 +227,7 @@ class RemoteTier(LowerTier):
         specs = obj.group_specs()
         key_bytes = key.to_bytes()
         sink = FrameSink(bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers())
+        self.connector.use_host_memory(obj.arena.base_ptr, obj.arena.capacity)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):

@@ -15,6 +15,9 @@ Contract for implementers:
 - `get_into` fills ``sink.header`` then ``sink.payload`` in order and feeds every payload byte
   to ``sink.hasher``; a stored frame whose length is not ``sink.total_len`` is SIZE_MISMATCH
   and nothing is promised about the buffers then.
+- `use_host_memory` names the host region (the L1 arena) that the buffers of the following
+  `put` / `get_into` calls lie in; a connector whose transport moves bytes straight from and
+  into registered memory (Mooncake) registers it once, the others ignore it.
 - Keys of different namespaces (tenants) never meet: a connector names a key from its full
   scope (the tkv server uses `ChunkKey.to_bytes`, Redis a prefix that includes the namespace).
 """
@@ -86,6 +89,12 @@ class RemoteConnector(abc.ABC):
     @abc.abstractmethod
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Drop keys; which were present."""
+
+    def use_host_memory(self, base_ptr: int, nbytes: int) -> None:
+        """The buffers of later calls lie in ``[base_ptr, base_ptr + nbytes)`` (the L1 arena),
+        which outlives the connector. Called on the loop, cheaply, before every `put` and
+        `get_into`; must not block. Default: nothing to do."""
+        return None
 
     @property
     def connections(self) -> int:
