@@ -13,6 +13,7 @@ from tests.kvfactory import expect_copy, make_caches, poison_blocks
 from tiered_kv import (
     EngineConfig,
     EngineStateError,
+    KeySalt,
     LayoutError,
     SyncTieredKVEngine,
     TieredKVEngine,
@@ -120,6 +121,26 @@ async def test_two_models_and_two_namespaces_never_share_chunks(tmp_path: Path) 
     async with TieredKVEngine(_config(l2_path=l2, namespace="tenant-a")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(TOKENS) == 100
+
+
+async def test_salted_requests_share_chunks_only_under_the_same_salt() -> None:
+    """The same tokens stored under one salt are a miss under another or none, a hit under
+    the same; a mark in the third chunk leaves the first two shared with unsalted requests."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    tenant_a, tenant_b = KeySalt.of((0, b"a")), KeySalt.of((0, b"b"))
+    async with TieredKVEngine(_config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(TOKENS, list(range(7)), salt=tenant_a) == 100
+        assert await engine.lookup(TOKENS, salt=tenant_b) == 0
+        assert await engine.lookup(TOKENS) == 0
+        assert await engine.lookup(TOKENS, salt=tenant_a) == 100
+        assert await engine.retrieve(TOKENS, list(range(8, 15)), salt=tenant_b) == 0
+        assert await engine.retrieve(TOKENS, list(range(8, 15)), salt=tenant_a) == 100
+        assert await engine.store(TOKENS, list(range(7))) == 100
+        image = KeySalt.of((70, b"image"))
+        assert await engine.lookup(TOKENS, salt=image) == 64
+        with pytest.raises(TypeError, match="expected a KeySalt"):
+            await engine.lookup(TOKENS, salt=b"a")  # type: ignore[arg-type]
 
 
 async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:

@@ -19,6 +19,7 @@ from tiered_kv.keys import (
     KEY_FORMAT_VERSION,
     ChunkKey,
     KeyMemo,
+    KeySalt,
     KeyScope,
     chunk_hashes,
     chunk_keys,
@@ -485,3 +486,67 @@ def test_key_memo_answers_the_same_tokens_with_the_same_keys_and_anything_else_a
         memo.chunk_keys(SCOPE, b"\x00\x01", 256)
     with pytest.raises(ValueError, match="size"):
         KeyMemo(size=0)
+
+
+# -- salts -----------------------------------------------------------------------------------
+def test_a_salt_at_offset_zero_changes_every_key_and_two_salts_never_share() -> None:
+    ids = tokens(3 * CS + 1)
+    plain = chunk_keys(SCOPE, ids, CS)
+    first = chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"tenant-a")))
+    second = chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"tenant-b")))
+    assert not set(plain) & set(first)
+    assert not set(first) & set(second)
+    assert chunk_keys(SCOPE, ids, CS, KeySalt.of()) == plain  # no marks: no salt
+    assert chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"tenant-a"))) == first
+
+
+def test_a_mark_changes_its_chunk_and_every_later_one_only() -> None:
+    """An image at token 2 * CS + 1: the text before its chunk shares keys with plain text."""
+    ids = tokens(5 * CS)
+    plain = chunk_keys(SCOPE, ids, CS)
+    marked = chunk_keys(SCOPE, ids, CS, KeySalt.of((2 * CS + 1, b"image-hash")))
+    assert marked[:2] == plain[:2]
+    assert all(a != b for a, b in zip(marked[2:], plain[2:], strict=True))
+    # The same mark at another offset inside the same chunk is another KV.
+    moved = chunk_keys(SCOPE, ids, CS, KeySalt.of((2 * CS + 2, b"image-hash")))
+    assert moved[:2] == plain[:2] and moved[2] != marked[2]
+    # A mark past the end of a prefix leaves the prefix's keys alone (its KV cannot see it).
+    assert chunk_keys(SCOPE, ids[: 2 * CS + 1], CS, KeySalt.of((2 * CS + 1, b"x"))) == (
+        chunk_keys(SCOPE, ids[: 2 * CS + 1], CS)
+    )
+
+
+def test_marks_are_framed_so_their_split_matters() -> None:
+    ids = tokens(2 * CS)
+    one = chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"ab"), (0, b"c")))
+    other = chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"a"), (0, b"bc")))
+    assert not set(one) & set(other)
+    # Order given does not matter (marks are sorted).
+    assert chunk_keys(SCOPE, ids, CS, KeySalt.of((1, b"x"), (0, b"y"))) == chunk_keys(
+        SCOPE, ids, CS, KeySalt.of((0, b"y"), (1, b"x"))
+    )
+
+
+def test_salt_wire_form_round_trips_and_bad_input_is_refused() -> None:
+    salt = KeySalt.of((0, b"salt"), (70, b"\x00\xff"))
+    assert salt is not None
+    assert KeySalt.from_wire(salt.to_wire()) == salt
+    assert KeySalt.from_wire(None) is None and KeySalt.from_wire([]) is None
+    with pytest.raises(ValueError, match="expected a list"):
+        KeySalt.from_wire("abc")
+    with pytest.raises(ValueError, match="malformed mark"):
+        KeySalt.from_wire([[0, "zz"]])
+    with pytest.raises(ValueError, match="offset must be an int >= 0"):
+        KeySalt(((-1, b"x"),))
+    with pytest.raises(TypeError, match="data must be bytes"):
+        KeySalt(((0, "x"),))  # type: ignore[arg-type]
+
+
+def test_key_memo_tells_salts_apart() -> None:
+    memo = KeyMemo(size=4)
+    ids = tokens(2 * CS)
+    first = memo.chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"a")))
+    assert memo.chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"b"))) != first
+    assert memo.chunk_keys(SCOPE, ids, CS) == chunk_keys(SCOPE, ids, CS)
+    assert memo.chunk_keys(SCOPE, ids, CS, KeySalt.of((0, b"a"))) == first
+    assert memo.hits == 1

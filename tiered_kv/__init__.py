@@ -10,6 +10,7 @@ from tiered_kv.errors import (
     LayoutError,
     TieredKVError,
 )
+from tiered_kv.keys import KeySalt
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
 from tiered_kv.sync import SyncTieredKVEngine
@@ -20,6 +21,7 @@ __all__ = [
     "EngineConfig",
     "EngineStateError",
     "KernelCompileError",
+    "KeySalt",
     "LayerwiseRetrieve",
     "LayerwiseStore",
     "LayoutError",

@@ -25,7 +25,7 @@ from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
 from tiered_kv.gpu.dispatch import DeviceMover
-from tiered_kv.keys import ChunkKey, KeyMemo, KeyScope, TokenIds
+from tiered_kv.keys import ChunkKey, KeyMemo, KeySalt, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena
@@ -273,13 +273,26 @@ class TieredKVEngine:
             self._mover.forget(previous.layout)  # the old caches must not stay allocated
         return layout.layout_desc
 
-    def chunk_keys(self, token_ids: TokenIds, *, model_name: str | None = None) -> list[ChunkKey]:
-        """The keys this engine uses for ``token_ids`` (one per chunk, a partial last included)."""
-        reg = self._registration(model_name)
-        return self._key_list(reg, _whole_blocks(reg, token_ids))
+    def chunk_keys(
+        self,
+        token_ids: TokenIds,
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
+    ) -> list[ChunkKey]:
+        """The keys this engine uses for ``token_ids`` (one per chunk, a partial last included).
 
-    def _key_list(self, reg: Registration, token_ids: TokenIds) -> list[ChunkKey]:
-        return self._keys.chunk_keys(reg.scope, token_ids, self.config.chunk_size)
+        Every request verb takes ``salt`` too: what changes the request's KV beyond its tokens
+        (`KeySalt`); requests share chunks only where their salts agree."""
+        reg = self._registration(model_name)
+        return self._key_list(reg, _whole_blocks(reg, token_ids), salt)
+
+    def _key_list(
+        self, reg: Registration, token_ids: TokenIds, salt: KeySalt | None = None
+    ) -> list[ChunkKey]:
+        if salt is not None and not isinstance(salt, KeySalt):
+            raise TypeError(f"salt: expected a KeySalt or None, got {type(salt).__name__}")
+        return self._keys.chunk_keys(reg.scope, token_ids, self.config.chunk_size, salt)
 
     def layout_desc(self, model_name: str | None = None) -> MemoryLayoutDesc:
         return self._registration(model_name).layout.layout_desc
@@ -344,7 +357,12 @@ class TieredKVEngine:
 
     @_call
     async def store(
-        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
     ) -> int:
         """Copy the request's KV into the cache, chunk by chunk; returns tokens newly stored.
 
@@ -355,7 +373,7 @@ class TieredKVEngine:
         mover = self._require_mover()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids)
+        keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.store_calls += 1
@@ -377,7 +395,9 @@ class TieredKVEngine:
                 transfer.obj.unref()
 
     @_call
-    async def lookup(self, token_ids: TokenIds, *, model_name: str | None = None) -> int:
+    async def lookup(
+        self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
+    ) -> int:
         """Tokens of the longest cached prefix across all tiers (a miss ends the prefix).
 
         With ``config.prefetch`` the chunks of that prefix found only in lower tiers start
@@ -386,7 +406,7 @@ class TieredKVEngine:
         storage = self._require_storage()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids)
+        keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
         where = await storage.locate(keys)
         tokens = min(len(where) * self.config.chunk_size, num_tokens)
@@ -446,7 +466,7 @@ class TieredKVEngine:
 
     @_call
     async def prefetch(
-        self, token_ids: TokenIds, *, model_name: str | None = None
+        self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
     ) -> PrefetchHandle:
         """Start loading the cached prefix of ``token_ids`` into L1 and return its handle.
 
@@ -456,7 +476,7 @@ class TieredKVEngine:
         storage = self._require_storage()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids)
+        keys = self._key_list(reg, token_ids, salt)
         where = await storage.locate(keys)
         self._counters.prefetch_calls += 1
         return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=0)
@@ -469,6 +489,7 @@ class TieredKVEngine:
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
         policy: str | None = None,
+        salt: KeySalt | None = None,
     ) -> int:
         """Load the cached prefix into the request's blocks; returns the tokens now valid.
 
@@ -484,6 +505,7 @@ class TieredKVEngine:
             skip_prefix_tokens=skip_prefix_tokens,
             model_name=model_name,
             policy=policy,
+            salt=salt,
         )
         return result.valid_tokens
 
@@ -496,6 +518,7 @@ class TieredKVEngine:
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
         policy: str | None = None,
+        salt: KeySalt | None = None,
     ) -> RetrieveResult:
         """`retrieve`, returning a `RetrieveResult` (late and failed chunks, waiting time).
 
@@ -504,7 +527,7 @@ class TieredKVEngine:
         a prefix never needs more L1 room than one batch plus the loads in flight.
         """
         request = await self._retrieve_request(
-            token_ids, block_ids, skip_prefix_tokens, model_name, policy
+            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt
         )
         if isinstance(request, RetrieveResult):
             return request
@@ -519,6 +542,7 @@ class TieredKVEngine:
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
         policy: str | None = None,
+        salt: KeySalt | None = None,
     ) -> LayerwiseRetrieve:
         """Start loading the cached prefix layer by layer; returns once it is decided and its
         first layers' copies are queued, before any layer is ready.
@@ -532,7 +556,7 @@ class TieredKVEngine:
         L1 until its copies end, so the whole prefix must fit in L1 at once.
         """
         request = await self._retrieve_request(
-            token_ids, block_ids, skip_prefix_tokens, model_name, policy
+            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt
         )
         self._counters.retrieve_layerwise_calls += 1
         if isinstance(request, RetrieveResult):
@@ -547,6 +571,7 @@ class TieredKVEngine:
         skip_prefix_tokens: int,
         model_name: str | None,
         policy: str | None,
+        salt: KeySalt | None = None,
     ) -> RetrieveRequest | RetrieveResult:
         """Validate a retrieve's arguments and find (or start) the prefetch it consumes; a
         `RetrieveResult` when nothing past ``skip_prefix_tokens`` is to be loaded."""
@@ -573,7 +598,7 @@ class TieredKVEngine:
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.retrieve_calls += 1
         chunk_size = self.config.chunk_size
-        keys = self._key_list(reg, token_ids)
+        keys = self._key_list(reg, token_ids, salt)
         first = skip_prefix_tokens // chunk_size
         # The prefetch this request's lookup started ends with this retrieve, whatever it copies.
         handle = self._implicit.pop((reg.model_name, keys[-1]), None) if keys else None
@@ -630,7 +655,12 @@ class TieredKVEngine:
 
     @_call
     async def store_layerwise(
-        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
     ) -> LayerwiseStore:
         """Begin a store whose layers are copied out as the prefill makes them.
 
@@ -643,7 +673,7 @@ class TieredKVEngine:
         mover = self._require_mover()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids)
+        keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
         self._counters.store_calls += 1

@@ -6,6 +6,10 @@ worker, layout id). A `ChunkKey` is a scope plus `chunk_hash`, where
 chunk size. Because the chain is seeded by the scope, two tenants, fingerprints or layouts never
 produce the same chunk hash, so tiers may index by ``chunk_hash`` alone; the full key bytes travel
 in every stored frame and are compared on read.
+
+A request whose KV depends on more than its tokens (a cache salt, a LoRA adapter, an image) gives
+a `KeySalt`: marks at token offsets, each folded into the chain value entering the chunk that
+holds its offset, so that chunk and every later one hash differently, and earlier ones do not.
 """
 
 from __future__ import annotations
@@ -68,6 +72,65 @@ class KeyScope:
 
     def chain_seed(self, chunk_size: int) -> bytes:
         return xxhash.xxh3_128_digest(self.to_bytes() + struct.pack("<I", chunk_size))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeySalt:
+    """What changes a request's KV beyond its token ids: ``marks`` of (token offset, bytes).
+
+    A mark enters the hash of the chunk holding its offset, and through the chain every later
+    chunk: a request-wide salt (a cache salt, a LoRA adapter) is a mark at offset 0; an image
+    is a mark at its placeholder's first token, so the text before it shares chunks with other
+    requests. Marks are kept sorted; marks past a sequence's end do not change its keys."""
+
+    marks: tuple[tuple[int, bytes], ...]
+
+    def __post_init__(self) -> None:
+        marks = []
+        for mark in self.marks:
+            if not (isinstance(mark, tuple) and len(mark) == 2):
+                raise TypeError(f"KeySalt.marks: expected (offset, bytes) pairs, got {mark!r}")
+            offset, data = mark
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ValueError(f"KeySalt.marks: offset must be an int >= 0, got {offset!r}")
+            if not isinstance(data, bytes):
+                raise TypeError(f"KeySalt.marks: data must be bytes, got {type(data).__name__}")
+            marks.append((offset, data))
+        object.__setattr__(self, "marks", tuple(sorted(marks)))
+
+    @classmethod
+    def of(cls, *marks: tuple[int, bytes]) -> KeySalt | None:
+        """A salt of these marks, or None when there is none (the unsalted keys)."""
+        return cls(tuple(marks)) if marks else None
+
+    def to_wire(self) -> list[list[int | str]]:
+        """JSON-able form (offsets and hex data), inverse of `from_wire`."""
+        return [[offset, data.hex()] for offset, data in self.marks]
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> KeySalt | None:
+        """Parse `to_wire`'s form (None or [] for no salt); raises ValueError on anything else."""
+        if wire is None or wire == []:
+            return None
+        if not isinstance(wire, list):
+            raise ValueError(f"salt: expected a list of [offset, hex], got {type(wire).__name__}")
+        try:
+            marks = tuple((int(offset), bytes.fromhex(data)) for offset, data in wire)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"salt: malformed mark ({exc})") from None
+        return cls(marks)
+
+
+def _salted(prev: bytes, marks: Sequence[tuple[int, bytes]], start: int) -> bytes:
+    """The chain value entering a chunk starting at ``start`` that holds ``marks``: a hash of the
+    previous value and the marks (offsets relative to the chunk, lengths framed), which no
+    unsalted chain value equals short of a 128-bit collision."""
+    state = xxhash.xxh3_128(b"tiered-kv salt\0")
+    state.update(prev)
+    for offset, data in marks:
+        state.update(struct.pack("<QQ", offset - start, len(data)))
+        state.update(data)
+    return state.digest()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -193,17 +256,30 @@ def token_bytes(ids: TokenIds) -> memoryview:
     return memoryview(packed).cast("B")
 
 
-def chunk_hashes(token_ids: TokenIds, chunk_size: int, seed: bytes) -> list[bytes]:
+def chunk_hashes(
+    token_ids: TokenIds, chunk_size: int, seed: bytes, salt: KeySalt | None = None
+) -> list[bytes]:
     """Prefix-chained hashes of every chunk of ``token_ids``, a trailing partial chunk included."""
-    return _chained_hashes(token_bytes(token_ids), chunk_size, seed)
+    return _chained_hashes(token_bytes(token_ids), chunk_size, seed, salt)
 
 
-def _chained_hashes(raw: bytes | memoryview, chunk_size: int, seed: bytes) -> list[bytes]:
+def _chained_hashes(
+    raw: bytes | memoryview, chunk_size: int, seed: bytes, salt: KeySalt | None = None
+) -> list[bytes]:
     step = chunk_size * 4
     hasher = xxhash.xxh3_128
+    marks = salt.marks if salt is not None else ()
+    next_mark = 0
     hashes = []
     prev = seed
     for start in range(0, len(raw), step):
+        if next_mark < len(marks):
+            end_token = min(start + step, len(raw)) // 4  # a mark past the end is no part
+            first = next_mark
+            while next_mark < len(marks) and marks[next_mark][0] < end_token:
+                next_mark += 1
+            if next_mark > first:
+                prev = _salted(prev, marks[first:next_mark], start // 4)
         state = hasher(prev)
         state.update(raw[start : start + step])
         prev = state.digest()
@@ -211,14 +287,18 @@ def _chained_hashes(raw: bytes | memoryview, chunk_size: int, seed: bytes) -> li
     return hashes
 
 
-def chunk_keys(scope: KeyScope, token_ids: TokenIds, chunk_size: int) -> list[ChunkKey]:
+def chunk_keys(
+    scope: KeyScope, token_ids: TokenIds, chunk_size: int, salt: KeySalt | None = None
+) -> list[ChunkKey]:
     """One key per chunk of ``token_ids`` (``ceil(len / chunk_size)`` keys)."""
-    return _keys_of(scope, token_bytes(token_ids), chunk_size)
+    return _keys_of(scope, token_bytes(token_ids), chunk_size, salt)
 
 
-def _keys_of(scope: KeyScope, raw: bytes | memoryview, chunk_size: int) -> list[ChunkKey]:
+def _keys_of(
+    scope: KeyScope, raw: bytes | memoryview, chunk_size: int, salt: KeySalt | None = None
+) -> list[ChunkKey]:
     seed = scope.chain_seed(chunk_size)
-    return [ChunkKey(scope, h) for h in _chained_hashes(raw, chunk_size, seed)]
+    return [ChunkKey(scope, h) for h in _chained_hashes(raw, chunk_size, seed, salt)]
 
 
 class KeyMemo:
@@ -234,21 +314,32 @@ class KeyMemo:
             raise ValueError(f"KeyMemo: size must be >= 1, got {size}")
         self.size = size
         self.hits = 0
-        # (scope, chunk size, token bytes, keys), most recent last.
-        self._entries: list[tuple[KeyScope, int, bytes, tuple[ChunkKey, ...]]] = []
+        # (scope, chunk size, salt, token bytes, keys), most recent last.
+        self._entries: list[tuple[KeyScope, int, KeySalt | None, bytes, tuple[ChunkKey, ...]]] = []
 
-    def chunk_keys(self, scope: KeyScope, token_ids: TokenIds, chunk_size: int) -> list[ChunkKey]:
+    def chunk_keys(
+        self,
+        scope: KeyScope,
+        token_ids: TokenIds,
+        chunk_size: int,
+        salt: KeySalt | None = None,
+    ) -> list[ChunkKey]:
         """`chunk_keys` of ``token_ids``, remembered or computed."""
         raw = bytes(token_bytes(token_ids))
         entries = self._entries
         for i in range(len(entries) - 1, -1, -1):
-            known_scope, known_size, known_raw, known_keys = entries[i]
-            if known_raw == raw and known_size == chunk_size and known_scope == scope:
+            known_scope, known_size, known_salt, known_raw, known_keys = entries[i]
+            if (
+                known_raw == raw
+                and known_size == chunk_size
+                and known_salt == salt
+                and known_scope == scope
+            ):
                 self.hits += 1
                 entries.append(entries.pop(i))  # most recent last
                 return list(known_keys)
-        keys = tuple(_keys_of(scope, raw, chunk_size))
-        entries.append((scope, chunk_size, raw, keys))
+        keys = tuple(_keys_of(scope, raw, chunk_size, salt))
+        entries.append((scope, chunk_size, salt, raw, keys))
         if len(entries) > self.size:
             del entries[0]
         return list(keys)

@@ -25,7 +25,7 @@ from tiered_kv.config import EngineConfig
 from tiered_kv.engine import TieredKVEngine
 from tiered_kv.errors import EngineStateError
 from tiered_kv.gpu.base import KVMover
-from tiered_kv.keys import TokenIds
+from tiered_kv.keys import KeySalt, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.prefetch import PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve
@@ -143,10 +143,12 @@ class SyncTieredKVEngine:
     statistics = _on_loop(TieredKVEngine.statistics)
     metrics_text = _on_loop(TieredKVEngine.metrics_text)
 
-    def prefetch(self, token_ids: TokenIds, *, model_name: str | None = None) -> SyncPrefetchHandle:
+    def prefetch(
+        self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
+    ) -> SyncPrefetchHandle:
         """`TieredKVEngine.prefetch` behind a blocking handle."""
         return SyncPrefetchHandle(
-            self, self._call(self._engine.prefetch(token_ids, model_name=model_name))
+            self, self._call(self._engine.prefetch(token_ids, model_name=model_name, salt=salt))
         )
 
     def retrieve_layerwise(
@@ -157,6 +159,7 @@ class SyncTieredKVEngine:
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
         policy: str | None = None,
+        salt: KeySalt | None = None,
     ) -> SyncLayerwiseRetrieve:
         """`TieredKVEngine.retrieve_layerwise` behind a blocking handle (``wait_layer`` from
         any thread, as on the async one)."""
@@ -167,17 +170,23 @@ class SyncTieredKVEngine:
                 skip_prefix_tokens=skip_prefix_tokens,
                 model_name=model_name,
                 policy=policy,
+                salt=salt,
             )
         )
         return SyncLayerwiseRetrieve(self, load)
 
     def store_layerwise(
-        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
     ) -> SyncLayerwiseStore:
         """`TieredKVEngine.store_layerwise` behind a blocking handle (``save_layer`` from the
         model's thread; ``commit`` / ``abort`` block)."""
         saver = self._call(
-            self._engine.store_layerwise(token_ids, block_ids, model_name=model_name)
+            self._engine.store_layerwise(token_ids, block_ids, model_name=model_name, salt=salt)
         )
         return SyncLayerwiseStore(self, saver)
 
