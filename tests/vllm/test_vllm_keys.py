@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.test_vllm_connector import BLOCK, CHUNK, run_vllm
-from tests.vllm.tiny_llama import build_tiny_llama
+from tests.vllm.tiny_llama import build_tiny_llama, build_tiny_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 
@@ -100,3 +100,61 @@ def test_a_given_fingerprint_wins_and_the_default_follows_the_model(
     assert _worker_fingerprint(model_dir, {"fingerprint": ""}) == ""
     monkeypatch.setenv("TIERED_KV_FINGERPRINT", "from-env")
     assert _worker_fingerprint(model_dir, {}) == "from-env"
+
+
+SALTED = _prompt(2, 130)  # two whole chunks of 64 in whole blocks
+
+
+@pytest.fixture(scope="module")
+def salted_runs(
+    model_dir: pathlib.Path, workdir: pathlib.Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same tokens under two cache salts, two LoRA adapters and neither, in one process
+    with the connector (vLLM's prefix cache off: only tiered_kv could share), and the same
+    batches without the connector."""
+    adapters = {
+        "a": [1, str(build_tiny_lora(workdir / "lora-a", seed=1))],
+        "b": [2, str(build_tiny_lora(workdir / "lora-b", seed=2))],
+    }
+    batches = [
+        [{"tokens": SALTED, "cache_salt": "tenant-a"}],
+        [{"tokens": SALTED, "cache_salt": "tenant-b"}],
+        [{"tokens": SALTED, "cache_salt": "tenant-a"}],
+        [SALTED],
+        [{"tokens": SALTED, "lora": "a"}],
+        [{"tokens": SALTED, "lora": "b"}],
+        [{"tokens": SALTED, "lora": "a"}],
+        [{"tokens": SALTED, "lora": "b", "cache_salt": "tenant-a"}],
+    ]
+    spec = {"lora_modules": adapters, "enable_prefix_caching": False}
+    connector = {"chunk_size": CHUNK, "l1_size": "64MiB"}
+    served = run_vllm(model_dir, workdir, "salted", batches, connector=connector, **spec)
+    plain = run_vllm(model_dir, workdir, "salted-plain", batches, connector=None, **spec)
+    return served, plain
+
+
+def test_the_same_tokens_under_two_salts_never_share(
+    salted_runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """tenant-a stores, tenant-b and an unsalted request miss it (and store their own), a
+    repeat of tenant-a hits it; greedy output equals the run without the connector."""
+    served, plain = salted_runs
+    assert _outputs(served)[:4] == _outputs(plain)[:4]
+    assert _cached(served)[:4] == [0, 0, 128, 0]
+
+
+def test_a_lora_request_hits_only_its_adapters_chunks(
+    salted_runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """Adapter a's KV is stored; adapter b (and the base model before) miss it; a repeat with
+    adapter a hits it; adapter b under a salt misses both. Outputs equal the run without the
+    connector, and the adapters visibly change them."""
+    served, plain = salted_runs
+    outputs = _outputs(served)
+    assert outputs == _outputs(plain)
+    assert len({tuple(outputs[3]), tuple(outputs[4]), tuple(outputs[5])}) == 3
+    assert _cached(served)[4:] == [0, 0, 128, 0]
+    host = served["engine_stats"]["host"]
+    # Six distinct (salt, adapter) keyings stored 128 tokens each; two repeats loaded theirs.
+    assert (host["stored_tokens"], host["loaded_tokens"]) == (6 * 128, 2 * 128)
+    assert served["failures"] == 0

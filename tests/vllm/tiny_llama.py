@@ -75,6 +75,54 @@ def build_tiny_llama(
     return path
 
 
+def build_tiny_lora(
+    directory: str | pathlib.Path,
+    *,
+    seed: int,
+    rank: int = 8,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = HEAD_DIM,
+) -> pathlib.Path:
+    """Write a random LoRA adapter (PEFT format: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) for `build_tiny_llama`'s model, on q_proj and v_proj of
+    every layer, large enough to change greedy output (the V projection changes the KV)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": None,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    outputs = {"q_proj": num_heads * head_dim, "v_proj": num_kv_heads * head_dim}
+    for layer in range(num_layers):
+        for module, out_features in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(
+                (rank, hidden_size), generator=generator
+            ) * (1.0 / hidden_size**0.5)
+            tensors[f"{name}.lora_B.weight"] = (
+                torch.randn((out_features, rank), generator=generator) * 0.5
+            )
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
 if __name__ == "__main__":
     import sys
 

@@ -4,7 +4,9 @@ SPEC: {"model": dir, "connector": extra config dict or null, "role": "kv_both",
 "multiprocess": false, "block_size": 32, "max_tokens": 8 or [per batch], "batches": [[token
 lists], ...], "load_failure_policy": "recompute", "enable_prefix_caching": true,
 "max_num_batched_tokens": n, "kv_cache_memory_bytes": n, "max_model_len": n, "max_num_seqs": n,
-"kill_before_batch": {"index": pid}}. Each batch is one ``LLM.generate`` call (greedy), run in
+"kill_before_batch": {"index": pid}, "lora_modules": {name: [int id, path]}, "max_lora_rank": n}.
+A prompt is a list of token ids or {"tokens": [...], "cache_salt": str, "lora": name}. Each batch
+is one ``LLM.generate`` call (greedy), run in
 order; ``kill_before_batch`` SIGKILLs a process (an L3 server) before that batch. OUT: per batch,
 per prompt, the output token ids and vLLM's ``num_cached_tokens``, the seconds each batch took
 (``batch_seconds``: time to first token when ``max_tokens`` is 1); the connector stats vLLM's
@@ -31,6 +33,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:
@@ -41,6 +44,12 @@ def main(spec_path: str, out_path: str) -> None:
             kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy=spec.get("load_failure_policy", "recompute"),
         )
+    loras = {
+        name: LoRARequest(name, int(int_id), path)
+        for name, (int_id, path) in spec.get("lora_modules", {}).items()
+    }
+    if loras:
+        kwargs.update(enable_lora=True, max_lora_rank=spec.get("max_lora_rank", 8), max_loras=2)
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
@@ -69,8 +78,16 @@ def main(spec_path: str, out_path: str) -> None:
         tokens = max_tokens[index] if isinstance(max_tokens, list) else max_tokens
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         batch_started = time.perf_counter()
+        prompts = [p if isinstance(p, dict) else {"tokens": p} for p in batch]
+        requests = []
+        for prompt in prompts:
+            request = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            if prompt.get("cache_salt") is not None:
+                request["cache_salt"] = prompt["cache_salt"]
+            requests.append(request)
+        lora = [loras[p["lora"]] if p.get("lora") else None for p in prompts]
         outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False
+            requests, params, use_tqdm=False, lora_request=lora if loras else None
         )
         batch_seconds.append(time.perf_counter() - batch_started)
         batches.append(

@@ -20,7 +20,7 @@ from typing import Any
 from tiered_kv.config import EngineConfig
 from tiered_kv.engine import RetrieveResult
 from tiered_kv.integrations.lookup_channel import LookupServer
-from tiered_kv.keys import TokenIds
+from tiered_kv.keys import KeySalt, TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(slots=True, eq=False)
 class _Lookup:
     token_ids: list[int]
+    salt: KeySalt | None
     handle: PrefetchHandle
     started: float
     deadline: float | None  # prefetch policy "timeout": answer with what is ready by then
@@ -106,6 +107,7 @@ class EngineHost(SyncTieredKVEngine):
         *,
         skip_prefix_tokens: int,
         claimed_tokens: int | None = None,
+        salt: KeySalt | None = None,
     ) -> RetrieveResult:
         """Retrieve the cached prefix into ``block_ids``. ``claimed_tokens`` (default: all of
         ``token_ids``) is what the serving stack counts on; the counters measure against it."""
@@ -113,7 +115,7 @@ class EngineHost(SyncTieredKVEngine):
 
         async def load() -> RetrieveResult:
             result = await self._engine.retrieve_detailed(
-                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens
+                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens, salt=salt
             )
             delivered = min(result.valid_tokens, claimed)
             self.counters.loads += 1
@@ -130,6 +132,7 @@ class EngineHost(SyncTieredKVEngine):
         *,
         skip_prefix_tokens: int,
         claimed_tokens: int | None = None,
+        salt: KeySalt | None = None,
     ) -> SyncLayerwiseRetrieve:
         """`load`, layer by layer: returns once the delivered prefix is decided (``result``)
         and its copies are enqueued; the model waits per layer (``wait_layer``)."""
@@ -137,7 +140,7 @@ class EngineHost(SyncTieredKVEngine):
 
         async def load() -> LayerwiseRetrieve:
             load = await self._engine.retrieve_layerwise(
-                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens
+                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens, salt=salt
             )
             delivered = min(load.result.valid_tokens, claimed)
             self.counters.loads += 1
@@ -156,12 +159,19 @@ class EngineHost(SyncTieredKVEngine):
         return stored
 
     def store(
-        self, token_ids: TokenIds, block_ids: Sequence[int], *, model_name: str | None = None
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
     ) -> int:
         """Copy the tokens' KV out of ``block_ids`` (done when this returns); new tokens stored."""
 
         async def store() -> int:
-            stored = await self._engine.store(token_ids, block_ids, model_name=model_name)
+            stored = await self._engine.store(
+                token_ids, block_ids, model_name=model_name, salt=salt
+            )
             self.counters.stores += 1
             self.counters.stored_tokens += stored
             return stored
@@ -211,7 +221,9 @@ class EngineHost(SyncTieredKVEngine):
             super().close()
 
     # -- on the loop ------------------------------------------------------------------------
-    async def answer_lookup(self, request_id: str, token_ids: list[int]) -> int | None:
+    async def answer_lookup(
+        self, request_id: str, token_ids: list[int], salt: KeySalt | None = None
+    ) -> int | None:
         """Tokens of ``token_ids``'s cached prefix now in host memory, or None ("ask again")
         while the loads the first lookup started are in flight, per ``prefetch_policy``:
         best_effort answers at once, wait_complete when every load ended, timeout when every
@@ -220,17 +232,22 @@ class EngineHost(SyncTieredKVEngine):
         started = loop.time()
         clock = time.perf_counter()
         lookup = self._lookups.get(request_id)
-        if lookup is None or lookup.token_ids != token_ids or lookup.handle.released:
+        if (
+            lookup is None
+            or lookup.token_ids != token_ids
+            or lookup.salt != salt
+            or lookup.handle.released
+        ):
             if lookup is not None:
                 lookup.handle.cancel()
-            handle = await self._engine.prefetch(token_ids, model_name=self._model_name)
+            handle = await self._engine.prefetch(token_ids, model_name=self._model_name, salt=salt)
             deadline = None
             if self.config.prefetch_policy == "timeout":
                 deadline = started + (
                     self.config.prefetch_timeout_base_s
                     + self.config.prefetch_timeout_per_1k_tokens_s * handle.hit_tokens / 1000
                 )
-            lookup = _Lookup(token_ids, handle, started, deadline)
+            lookup = _Lookup(token_ids, salt, handle, started, deadline)
             self._lookups[request_id] = lookup
             while len(self._lookups) > self.config.prefetch_max_pending:
                 _, oldest = self._lookups.popitem(last=False)

@@ -7,9 +7,10 @@ own thread, never waiting: a question is sent and its answer picked up by a late
 not import a serving stack, touch KV bytes, or let a slow or missing worker block the scheduler:
 an answer that has not arrived yet is "ask again" (None), an unreachable worker is a miss (0).
 
-Messages: request ``{"id": n, "req": request_id, "tokens": [ints]}``; reply ``{"id": n,
-"ready": int or null}`` where null means "a load is still in flight, ask again". A worker that
-cannot answer replies ``{"id": n, "ready": 0, "error": "..."}``.
+Messages: request ``{"id": n, "req": request_id, "tokens": [ints]}`` plus ``"salt": [[offset,
+hex], ...]`` for a salted request (`KeySalt.to_wire`); reply ``{"id": n, "ready": int or null}``
+where null means "a load is still in flight, ask again". A worker that cannot answer replies
+``{"id": n, "ready": 0, "error": "..."}``.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.keys import KeySalt
 
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20  # a 4M-token prompt as JSON; anything larger is a broken peer
 
-LookupHandler = Callable[[str, list[int]], Awaitable[int | None]]
+LookupHandler = Callable[[str, list[int], KeySalt | None], Awaitable[int | None]]
 
 
 def default_socket_dir() -> str:
@@ -61,7 +63,8 @@ def _encode(message: dict[str, Any]) -> bytes:
 class LookupServer:
     """Serves lookups on a Unix socket. Create, `start` and `aclose` on the engine's loop.
 
-    Each connection's requests are answered in order by ``handler(request_id, token_ids)``;
+    Each connection's requests are answered in order by ``handler(request_id, token_ids,
+    salt)``;
     a malformed frame closes only that connection.
     """
 
@@ -112,9 +115,10 @@ class LookupServer:
         request_id, tokens = message.get("req"), message.get("tokens")
         if not isinstance(request_id, str) or not isinstance(tokens, list):
             raise ValueError("a request needs 'req' (str) and 'tokens' (list of ints)")
+        salt = KeySalt.from_wire(message.get("salt"))  # ValueError: a broken peer
         self.requests += 1
         try:
-            ready = await self._handler(request_id, tokens)
+            ready = await self._handler(request_id, tokens, salt)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the channel's boundary: a failed lookup is a miss
@@ -180,10 +184,19 @@ class _Peer:
         self.asking.clear()
         self.retry_at = time.monotonic() + 1.0
 
-    def ask(self, message_id: int, request_id: str, token_ids: Sequence[int]) -> None:
+    def ask(
+        self,
+        message_id: int,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: KeySalt | None = None,
+    ) -> None:
         self.pending[message_id] = request_id
         self.asking.add(request_id)
-        self.outbox += _encode({"id": message_id, "req": request_id, "tokens": list(token_ids)})
+        message: dict[str, Any] = {"id": message_id, "req": request_id, "tokens": list(token_ids)}
+        if salt is not None:
+            message["salt"] = salt.to_wire()
+        self.outbox += _encode(message)
 
     def flush(self) -> None:
         """Send what the socket takes now."""
@@ -255,15 +268,18 @@ class LookupClient:
         self._next_id = 0
         self.unreachable = 0
 
-    def lookup(self, request_id: str, token_ids: Sequence[int]) -> int | None:
-        """Cached tokens of ``token_ids`` ready on every rank; None: ask again; 0 on failure."""
+    def lookup(
+        self, request_id: str, token_ids: Sequence[int], salt: KeySalt | None = None
+    ) -> int | None:
+        """Cached tokens of ``token_ids`` (under ``salt``) ready on every rank; None: ask again;
+        0 on failure."""
         for peer in self._peers:
             if request_id in peer.answers or request_id in peer.asking:
                 continue
             if peer.connect() is None:
                 return self._unreachable(request_id)
             self._next_id += 1
-            peer.ask(self._next_id, request_id, token_ids)
+            peer.ask(self._next_id, request_id, token_ids, salt)
         for peer in self._peers:
             peer.flush()
             peer.read_available()

@@ -46,12 +46,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.engine_host import EngineHost
-from tiered_kv.integrations.fingerprint import model_fingerprint
+from tiered_kv.integrations.fingerprint import adapter_digest, model_fingerprint
 from tiered_kv.integrations.lookup_channel import (
     LookupClient,
     default_socket_dir,
     socket_path,
 )
+from tiered_kv.keys import KeySalt
 from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore
 
 if TYPE_CHECKING:
@@ -149,6 +150,7 @@ class LoadSpec:
     block_ids: list[int]
     skip_prefix_tokens: int
     claimed_end: int = 0
+    salt: list[list[int | str]] | None = None  # `KeySalt.to_wire` of the request's salt
 
     @property
     def end(self) -> int:
@@ -162,6 +164,7 @@ class StoreSpec:
     request_id: str
     token_ids: list[int]
     block_ids: list[int]
+    salt: list[list[int | str]] | None = None  # `KeySalt.to_wire` of the request's salt
 
 
 @dataclasses.dataclass
@@ -235,6 +238,8 @@ class _RequestState:
     """Scheduler-side bookkeeping of one request."""
 
     request: Request
+    cacheable: bool = True  # False: its KV cannot be keyed (see `request_salt`)
+    salt: KeySalt | None = None
     local_tokens: int = 0  # vLLM's block-aligned prefix-cache hit at the last lookup
     load_end: int = 0  # end of the tokens to load (0: none)
     load_pending: bool = False
@@ -268,6 +273,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._requests: dict[str, _RequestState] = {}
         self._release: list[str] = []
         self._client: LookupClient | None = None
+        self._adapter_digests: dict[tuple[str, str], str | None] = {}  # LoRA (name, path)
         # worker side
         self._host: EngineHost | None = None
         self._layerwise = False  # decided at registration (EngineConfig.layerwise)
@@ -359,6 +365,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                         spec.block_ids,
                         skip_prefix_tokens=spec.skip_prefix_tokens,
                         claimed_tokens=end,
+                        salt=KeySalt.from_wire(spec.salt),
                     )
                     self._loads.append(load)
                     valid = load.result.valid_tokens
@@ -368,6 +375,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                         spec.block_ids,
                         skip_prefix_tokens=spec.skip_prefix_tokens,
                         claimed_tokens=end,
+                        salt=KeySalt.from_wire(spec.salt),
                     ).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
@@ -399,7 +407,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         host = self._require_host()
         for store in self._metadata().stores:
             try:
-                saver = host.store_layerwise(store.token_ids, store.block_ids)
+                saver = host.store_layerwise(
+                    store.token_ids, store.block_ids, salt=KeySalt.from_wire(store.salt)
+                )
             except Exception:
                 self.failures += 1
                 logger.warning(
@@ -459,7 +469,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             return  # layerwise stores were committed above
         for spec in meta.stores:
             try:
-                host.store(spec.token_ids, spec.block_ids)
+                host.store(spec.token_ids, spec.block_ids, salt=KeySalt.from_wire(spec.salt))
             except Exception:  # a failed store is a future miss, never a failed request
                 self.failures += 1
                 logger.warning(
@@ -536,7 +546,7 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self._is_consumer or self._client is None or not _cacheable(request):
+        if not self._is_consumer or self._client is None:
             return 0, False
         block = self._block_size
         # Whole blocks only, and at least one token left for vLLM to compute.
@@ -544,13 +554,17 @@ class TieredKVConnector(KVConnectorBase_V1):
         if limit <= num_computed_tokens:
             return 0, False
         state = self._state(request)
+        if not state.cacheable:
+            return 0, False
         now = time.monotonic()
         if state.first_lookup is None:
             state.first_lookup = now
         # Ask about every whole block of the request, not only up to the limit: a block-aligned
         # prompt's last chunk was stored whole, and a key over fewer tokens would not match it.
         looked_up = request.num_tokens // block * block
-        ready = self._client.lookup(request.request_id, request.all_token_ids[:looked_up])
+        ready = self._client.lookup(
+            request.request_id, request.all_token_ids[:looked_up], state.salt
+        )
         stats = self._scheduler_stats
         if ready is None:
             stats["scheduler_lookups_pending"] += 1
@@ -632,10 +646,11 @@ class TieredKVConnector(KVConnectorBase_V1):
                     block_ids[: -(-through // block)],
                     state.local_tokens,
                     claimed_end=end,
+                    salt=_wire(state.salt),
                 )
             )
             state.stored_end = max(state.stored_end, through)  # already in the cache
-        if not self._is_producer or not _cacheable(state.request):
+        if not self._is_producer or not state.cacheable:
             return
         prompt_len = state.request.num_prompt_tokens
         computed_after = min(num_computed + num_scheduled, prompt_len)
@@ -653,6 +668,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                 request_id,
                 list(state.request.all_token_ids[:target]),
                 block_ids[: -(-target // block)],
+                salt=_wire(state.salt),
             )
         )
         state.stored_end = target
@@ -674,7 +690,8 @@ class TieredKVConnector(KVConnectorBase_V1):
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            cacheable, salt = request_salt(request, self._adapter_digests)
+            state = self._requests[request.request_id] = _RequestState(request, cacheable, salt)
         return state
 
     def _metadata(self) -> TieredKVMetadata:
@@ -689,16 +706,66 @@ class TieredKVConnector(KVConnectorBase_V1):
         return self._host
 
 
-def _cacheable(request: Request) -> bool:
-    """Requests whose KV is a function of their token ids alone. A cache salt, a LoRA adapter,
-    multimodal inputs or prompt embeddings change the KV of the same tokens, and chunk keys
-    cannot say so yet: such requests neither load nor store."""
-    return not (
-        getattr(request, "cache_salt", None)
-        or getattr(request, "lora_request", None)
-        or getattr(request, "mm_features", None)
-        or getattr(request, "prompt_embeds", None) is not None
-    )
+def request_salt(
+    request: Request, adapter_digests: dict[tuple[str, str], str | None]
+) -> tuple[bool, KeySalt | None]:
+    """Whether the request's KV can be keyed, and its `KeySalt`: what changes its KV beyond the
+    token ids, as vLLM's own block hashes take it (v1/core/kv_cache_utils.py):
+
+    - ``cache_salt``: a mark at token 0 (every chunk);
+    - a LoRA adapter: a mark at token 0 with its name, path and a digest of its files
+      (`adapter_digest`, remembered per name and path in ``adapter_digests``), so new adapter
+      weights at an old path are other keys. An adapter not on local disk yet (a hub id vLLM
+      has not downloaded) cannot be identified: the request is neither loaded nor stored;
+    - each multimodal item: a mark at its placeholder's first token with its modality,
+      vLLM's ``identifier`` (the content hash, or the prompt's ``multi_modal_uuids``) and its
+      length, so the text before the first item shares chunks with text-only requests.
+
+    Prompt embeddings are not keyed: such requests are neither loaded nor stored."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return False, None
+    marks: list[tuple[int, bytes]] = []
+    cache_salt = getattr(request, "cache_salt", None)
+    if cache_salt:
+        marks.append((0, b"cache_salt\0" + str(cache_salt).encode()))
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name, path = str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")
+        if (name, path) not in adapter_digests:
+            adapter_digests[name, path] = _adapter_digest(path)
+        digest = adapter_digests[name, path]
+        if digest is None:
+            return False, None
+        marks.append((0, b"lora\0" + f"{name}\0{path}\0{digest}".encode()))
+    for feature in getattr(request, "mm_features", None) or ():
+        position = feature.mm_position
+        text = f"{feature.modality}\0{feature.identifier}\0{int(position.length)}"
+        marks.append((int(position.offset), b"mm\0" + text.encode()))
+    return True, KeySalt.of(*marks)
+
+
+def _adapter_digest(path: str) -> str | None:
+    """`adapter_digest` of a LoRA adapter on local disk (a directory, or a Hugging Face cache
+    snapshot already downloaded); None when it cannot be found (logged)."""
+    local = os.path.expanduser(path)
+    if not os.path.isdir(local):
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = str(snapshot_download(path, local_files_only=True))
+        except Exception as exc:
+            logger.warning(
+                "TieredKVConnector: LoRA adapter %r is not on local disk (%s): its requests "
+                "are neither loaded nor stored",
+                path,
+                exc,
+            )
+            return None
+    return adapter_digest(local)
+
+
+def _wire(salt: KeySalt | None) -> list[list[int | str]] | None:
+    return None if salt is None else salt.to_wire()
 
 
 def default_fingerprint(vllm_config: VllmConfig) -> str:
@@ -782,4 +849,5 @@ __all__ = [
     "fingerprint_given",
     "WORKER_STATS",
     "parse_extra_config",
+    "request_salt",
 ]
