@@ -353,6 +353,7 @@ L3_SCHEMES: Mapping[str, L3Scheme] = MappingProxyType(
 _STORE_PACKAGES = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}
 
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+MOONCAKE_MIN_SEGMENT = 16 << 20  # Mooncake refuses a smaller segment (-600)
 _MOONCAKE_QUERY = (
     "metadata",
     "segment",
@@ -369,8 +370,9 @@ class MooncakeOptions:
     """The query of a ``mooncake://MASTER:PORT?...`` URL (docs/remote.md): ``metadata`` the
     transfer engine's metadata server (default ``http://MASTER:8080/metadata``, the master's own
     HTTP metadata server; ``P2PHANDSHAKE`` for none), ``segment`` the bytes this engine lends to
-    the pool (default 1GiB; 0 lends none), ``local_buffer`` the client's own staging buffer
-    (default 16MiB; transfers go straight from and into L1), ``protocol`` ``tcp`` or ``rdma``,
+    the pool (default 1GiB; 0 lends none, else at least 16MiB), ``local_buffer`` the client's
+    own staging buffer (default 16MiB; transfers go straight from and into L1), ``protocol``
+    ``tcp`` or ``rdma``,
     ``devices`` the RDMA devices (comma-separated, e.g. ``mlx5_0,mlx5_1``), ``local_hostname``
     the address other engines reach this one's segment at (default ``127.0.0.1`` when the master
     is on loopback, else this host's name), ``replicas`` copies of every chunk (default 1)."""
@@ -421,10 +423,16 @@ def _mooncake_options(url: str, parts: urllib.parse.SplitResult) -> MooncakeOpti
         import socket
 
         local_hostname = "127.0.0.1" if loopback else socket.gethostname()
+    segment_bytes = parse_size(values.get("segment", "1GiB"), name="mooncake:// segment")
+    if 0 < segment_bytes < MOONCAKE_MIN_SEGMENT:
+        raise ConfigError(
+            f"l3_url: mooncake:// segment must be 0 (lend none) or at least 16MiB (Mooncake's "
+            f"minimum), got {values['segment']!r}"
+        )
     return MooncakeOptions(
         master=f"{netloc_host}:{parts.port}",
         metadata=metadata,
-        segment_bytes=parse_size(values.get("segment", "1GiB"), name="mooncake:// segment"),
+        segment_bytes=segment_bytes,
         local_buffer_bytes=parse_size(
             values.get("local_buffer", "16MiB"), name="mooncake:// local_buffer"
         ),

@@ -186,7 +186,12 @@ class MooncakeConnector(RemoteConnector):
 
     def stats(self) -> dict[str, int | float]:
         pool = self._pool.stats()
-        return {**self._counters, "threads": pool.threads, "calls_running": len(self._running)}
+        return {
+            **self._counters,
+            "threads": pool.threads,
+            "calls_running": len(self._running),
+            "registered_regions": len(self._registered),
+        }
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:

@@ -1,0 +1,352 @@
+"""The L3 tier over a real Mooncake Store (``mooncake_master`` started by the test, see
+tests/mooncake_fixtures.py): bit-exact round trips, engines in two processes sharing chunks,
+the master SIGKILLed mid-load, a writer SIGKILLed, the pool full, missing / corrupt / short
+values, URL errors."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kvfactory import make_caches, poison_blocks
+from tests.mooncake_fixtures import MooncakeMaster, mooncake_master  # noqa: F401
+from tests.remote_fixtures import (
+    BLOCK,
+    CHUNK,
+    retrieve_bit_exact,
+    store_and_drop_l1,
+    tokens_for,
+)
+from tests.tiers.mooncake_writer import FORMAT
+from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.codec import encode_header, payload_checksum
+from tiered_kv.config import parse_l3_url
+from tiered_kv.errors import ConfigError
+from tiered_kv.keys import KeyScope, chunk_keys
+from tiered_kv.layout import build_layout
+from tiered_kv.memory import HostArena
+from tiered_kv.tiers.factory import remote_tier
+from tiered_kv.tiers.l3_remote import RemoteTier
+from tiered_kv.tiers.remote.mooncake_store import MooncakeConnector
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(url: str, **kw: object) -> EngineConfig:
+    base: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l3_url": url}
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def _mooncake_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("tkv-mooncake")]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [("vllm_nhd", torch.bfloat16), ("mla", torch.int8), ("separate", torch.float16)],
+)
+async def test_engine_round_trips_bit_exact_through_mooncake(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+    fmt: str,
+    dtype: torch.dtype,
+) -> None:
+    caches = make_caches(fmt, dtype, num_blocks=24, block_size=BLOCK)
+    tokens = tokens_for(3 * CHUNK + 5, seed=11)  # three full chunks and a partial one
+    async with TieredKVEngine(_config(mooncake_master.url())) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        src = await store_and_drop_l1(engine, caches, tokens)
+        await retrieve_bit_exact(engine, caches, tokens, src)
+        stats = engine.stats()["l3"]
+        assert stats["puts"] == 4 and stats["put_failures"] == 0
+        assert stats["hits"] == 4 and stats["corrupt"] == 0
+        assert stats["client_setups"] == 1
+        # The L1 arena was registered once, beside the header slab.
+        assert stats["client_registered_regions"] == 1
+    assert _mooncake_threads() == []  # aclose joined the connector's threads
+
+
+def _tier_and_objs(
+    master: MooncakeMaster,
+    *,
+    chunk_size: int = CHUNK,
+    heads: int = 2,
+    head_size: int = 8,
+    segment: str = "64MiB",
+) -> tuple[RemoteTier, HostArena, object, KeyScope]:
+    caches = make_caches(
+        "vllm_nhd",
+        torch.float16,
+        num_blocks=1,
+        block_size=BLOCK,
+        num_heads=heads,
+        head_size=head_size,
+    )
+    layout = build_layout(caches.entries, chunk_size=chunk_size, layout_hints=caches.hints)
+    tier = remote_tier(_config(master.url(segment=segment), l3_timeout_s=5.0))
+    arena = HostArena(48 << 20, pin=False)
+    scope = KeyScope("t", "m", "", 1, 0, layout.layout_desc.layout_id)
+    return tier, arena, layout.layout_desc, scope
+
+
+async def test_missing_corrupt_and_short_values_are_misses(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+) -> None:
+    tier, arena, layout, scope = _tier_and_objs(mooncake_master)
+    key, other = chunk_keys(scope, list(range(2 * CHUNK)), CHUNK)
+    await tier.open()
+    try:
+        src = arena.allocate_obj(layout, CHUNK)
+        dst = arena.allocate_obj(layout, CHUNK)
+        assert src is not None and dst is not None
+        src.raw().copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))
+        dst.raw().fill_(0x5A)
+        # A key nobody stored: a miss, not a failure, and the buffer is untouched.
+        assert await tier.contains_many([key]) == [False]
+        assert not await tier.get_into(key, dst)
+        stats = tier.stats()
+        assert (stats.misses, stats.read_failures, stats.corrupt) == (1, 0, 0)
+        assert bool((dst.raw() == 0x5A).all())
+        # A stored frame whose payload was changed after its checksum: a miss, and removed.
+        connector = tier.connector
+        assert isinstance(connector, MooncakeConnector)
+        buffers = src.group_buffers()
+        header = encode_header(
+            key.to_bytes(), CHUNK, src.group_specs(), payload_checksum(buffers) ^ 1
+        )
+        frame_len = len(header) + sum(len(b) for b in buffers)
+        await connector.put(key, [header, *buffers], frame_len)
+        assert await tier.contains_many([key]) == [True]
+        assert not await tier.get_into(key, dst)
+        stats = tier.stats()
+        assert (stats.corrupt, stats.corrupt_removed) == (1, 1)
+        assert await tier.contains_many([key]) == [False]
+        # A shorter frame under the key (an empty value, or fewer groups' bytes): a miss.
+        await connector.put(other, [header, buffers[0][:100]], len(header) + 100)
+        assert not await tier.get_into(other, dst)
+        assert tier.stats().layout_mismatch == 1
+        # And the real thing reads back bit-exact.
+        assert await tier.put(key, src)
+        assert await tier.get_into(key, dst)
+        assert torch.equal(dst.raw(), src.raw())
+        for obj in (src, dst):
+            obj.unref()
+    finally:
+        await tier.aclose()
+        assert arena.close() == 0
+
+
+async def test_a_put_refused_for_space_is_a_counted_dropped_write(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+) -> None:
+    # A 256-token chunk of 2 layers of 64 heads of 128 is 16 MiB of KV, and with its header
+    # more than this engine's 16 MiB segment, the whole pool (16 MiB is Mooncake's minimum).
+    tier, arena, layout, scope = _tier_and_objs(
+        mooncake_master, chunk_size=256, heads=64, head_size=128, segment="16MiB"
+    )
+    big_key, small_key = chunk_keys(scope, list(range(256 + 1)), 256)
+    await tier.open()
+    try:
+        big = arena.allocate_obj(layout, 256)
+        small = arena.allocate_obj(layout, 1)
+        dst = arena.allocate_obj(layout, 1)
+        assert big is not None and small is not None and dst is not None
+        small.raw().copy_(torch.randint(0, 256, (small.nbytes,), dtype=torch.uint8))
+        assert not await tier.put(big_key, big)
+        stats = tier.stats()
+        assert stats.put_failures == 1 and stats.puts == 0
+        assert stats.client["no_space"] == 1
+        assert not tier.contains(big_key)
+        assert await tier.contains_many([big_key]) == [False]
+        # What fits is still stored and read back.
+        assert await tier.put(small_key, small)
+        assert await tier.get_into(small_key, dst)
+        assert torch.equal(dst.raw(), small.raw())
+        for obj in (big, small, dst):
+            obj.unref()
+    finally:
+        await tier.aclose()
+        assert arena.close() == 0
+
+
+class _Writer:
+    """`tests.tiers.mooncake_writer` in its own process."""
+
+    def __init__(self, url: str, seed: int, num_tokens: int) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.tiers.mooncake_writer", url, str(seed), str(num_tokens)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def wait_stored(self) -> tuple[int, int]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().decode()
+        assert line.startswith("stored"), f"writer ended: {line!r}, rc={self.process.poll()}"
+        puts, failures = line.split()[1:]
+        return int(puts), int(failures)
+
+    def close(self) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdin.close()
+        self.process.stdout.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def writer_of(mooncake_master: MooncakeMaster) -> Iterator[type[_Writer]]:  # noqa: F811
+    writers: list[_Writer] = []
+
+    class Tracked(_Writer):
+        def __init__(self, url: str, seed: int, num_tokens: int) -> None:
+            super().__init__(url, seed, num_tokens)
+            writers.append(self)
+
+    yield Tracked
+    for writer in writers:
+        writer.close()
+
+
+async def test_two_engines_in_two_processes_share_chunks(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+    writer_of: type[_Writer],
+) -> None:
+    tokens = tokens_for(3 * CHUNK + 5, seed=21)
+    writer = writer_of(mooncake_master.url(), 21, len(tokens))
+    assert writer.wait_stored() == (4, 0)
+    # This engine lends no segment: every chunk it reads lies in the writer's.
+    caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=21)
+    src = list(range(1, 1 + -(-len(tokens) // BLOCK)))  # where the writer's caches held them
+    async with TieredKVEngine(_config(mooncake_master.url(segment="0"))) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        await retrieve_bit_exact(engine, caches, tokens, src)
+        assert engine.stats()["l3"]["hits"] == 4
+
+
+async def test_a_killed_writer_costs_misses_never_wrong_data(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+    writer_of: type[_Writer],
+) -> None:
+    tokens = tokens_for(3 * CHUNK + 5, seed=22)
+    writer = writer_of(mooncake_master.url(), 22, len(tokens))
+    assert writer.wait_stored() == (4, 0)
+    caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=22)
+    config = _config(mooncake_master.url(segment="0"), l3_timeout_s=2.0)
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.lookup(tokens) == len(tokens)
+        writer.kill()  # SIGKILL: its segment, holding every chunk, is gone
+        dst = list(range(12, 12 + -(-len(tokens) // BLOCK)))
+        poison_blocks(caches, dst)
+        before = caches.snapshot()
+        assert await engine.retrieve(tokens, dst) == 0
+        assert caches.bytes_equal(before)  # nothing was written into the blocks
+        stats = engine.stats()["l3"]
+        assert stats["hits"] == 0 and stats["misses"] >= 1 and stats["corrupt"] == 0
+
+
+async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+) -> None:
+    timeout_s = 1.0
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
+    tokens = tokens_for(4 * CHUNK, seed=31)
+    config = _config(mooncake_master.url(), l3_timeout_s=timeout_s, prefetch_policy="timeout")
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        src = await store_and_drop_l1(engine, caches, tokens)
+        assert await engine.lookup(tokens) == len(tokens)
+        mooncake_master.kill()
+        dst = list(range(12, 20))
+        # Loads and lookups ask a dead master: the first calls fail at once (the connection
+        # closed), later ones block in Mooncake (~4.3 s each) until the deadline ends them.
+        for _ in range(4):
+            started = time.monotonic()
+            assert await engine.retrieve(tokens, dst) == 0
+            load_s = time.monotonic() - started
+            started = time.monotonic()
+            assert await engine.lookup(tokens) == 0
+            lookup_s = time.monotonic() - started
+            # Bounded by the deadline, never by Mooncake's own RPC timeout per call.
+            assert load_s < 2 * timeout_s + 1.0, load_s
+            assert lookup_s < timeout_s + 1.0, lookup_s
+        stats = engine.stats()["l3"]
+        assert stats["hits"] == 0 and stats["corrupt"] == 0
+        # A call overran its deadline (the blocking path was taken) and later requests were
+        # refused at once instead of queueing behind it: no pile-up of stuck threads.
+        assert stats["timeouts"] >= 1
+        assert stats["client_threads"] <= 4
+        # A restarted master (on the same ports) knows no keys; this engine's segment is
+        # mounted again and new stores land and read back.
+        mooncake_master.start()
+        deadline = time.monotonic() + 60
+        seed = 40
+        while True:
+            fresh = tokens_for(2 * CHUNK, seed=seed)
+            await engine.evict_l1()
+            failures = engine.stats()["l3"]["put_failures"]
+            assert await engine.store(fresh, src[:4]) == len(fresh)
+            assert await engine.flush(timeout=30) == 0
+            if engine.stats()["l3"]["put_failures"] == failures:
+                break
+            assert time.monotonic() < deadline, engine.stats()["l3"]
+            await asyncio.sleep(0.5)
+            seed += 1
+        await engine.evict_l1()
+        await retrieve_bit_exact(engine, caches, fresh, src[:4])
+
+
+def test_mooncake_urls_are_checked_with_clear_errors() -> None:
+    parsed = parse_l3_url(
+        "mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata&segment=4GiB"
+        "&protocol=rdma&devices=mlx5_0,mlx5_1&replicas=2&local_hostname=10.0.0.7"
+    )
+    options = parsed.mooncake
+    assert options is not None
+    assert options.master == "10.0.0.5:50051"
+    assert options.segment_bytes == 4 << 30 and options.replicas == 2
+    assert (options.protocol, options.devices) == ("rdma", "mlx5_0,mlx5_1")
+    assert options.local_hostname == "10.0.0.7"
+    defaults = parse_l3_url("mooncake://127.0.0.1:50051").mooncake
+    assert defaults is not None
+    assert defaults.metadata == "http://127.0.0.1:8080/metadata"
+    assert defaults.local_hostname == "127.0.0.1" and defaults.replicas == 1
+    for url, message in [
+        ("mooncake://h", "needs the master's RPC port"),
+        ("mooncake://h:1?segmnet=1GiB", "unknown mooncake:// option 'segmnet'"),
+        ("mooncake://h:1?protocol=udp", "protocol must be one of tcp, rdma"),
+        ("mooncake://h:1?replicas=0", "replicas must be an int >= 1"),
+        ("mooncake://h:1?segment=lots", "cannot parse size 'lots'"),
+        ("mooncake://h:1?segment=8MiB", "segment must be 0 .* or at least 16MiB"),
+        ("mooncake://h:1?replicas=1&replicas=2", "given 2 times"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(l3_url=url)
+
+
+def test_mooncake_url_without_the_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "mooncake" or m.startswith("mooncake.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # import mooncake now fails
+    with pytest.raises(ConfigError, match=r"pip install 'tiered-kv\[mooncake\]'"):
+        EngineConfig(l3_url="mooncake://h:1")
