@@ -168,6 +168,19 @@ async def _engine(args: argparse.Namespace, slice_sizes: list[int]) -> None:
     total = chunks * num_layers * 2 * prefetch.CHUNK_TOKENS * heads_bytes
     caches = prefetch._caches(num_layers, len(tokens) // prefetch.BLOCK_SIZE)
     config = EngineConfig(chunk_size=prefetch.CHUNK_TOKENS, l1_size=2 * total + (64 << 20))
+    from tiered_kv.tiers.l2 import tier as tier_module
+
+    spans: list[tuple[float, float]] = []
+    original = tier_module.read_chunk_file
+
+    def timed_read(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spans.append((started, time.perf_counter()))
+
+    tier_module.read_chunk_file = timed_read
     for threads in (8, 16):
         workdir = Path(tempfile.mkdtemp(prefix="tkv-l2-engine-"))
         l2 = DiskTier(workdir / "l2", 2 * total, io_threads=threads)
@@ -175,7 +188,18 @@ async def _engine(args: argparse.Namespace, slice_sizes: list[int]) -> None:
         try:
             for slice_bytes in slice_sizes:
                 files.FileOps.read_slice_bytes = slice_bytes
+                spans.clear()
+                began = time.perf_counter()
                 times = await prefetch._time_prefetch(engine, tokens, 7)
+                busy = sum(end - start for start, end in spans)
+                first = min(start for start, _ in spans) - began
+                print(
+                    f"  on the read threads: {1e3 * busy / len(spans):.1f} ms a chunk "
+                    f"({chunk_bytes / (busy / len(spans)) / 1e9:.2f} GB/s a thread), "
+                    f"{busy / (time.perf_counter() - began):.1f} threads busy on average, "
+                    f"first read started {1e3 * first:.2f} ms after the prefetch",
+                    flush=True,
+                )
                 print(
                     f"engine prefetch {chunks} chunks, {threads} threads, "
                     f"{slice_bytes // MIB} MiB slices: {total / statistics.median(times) / 1e9:.1f}"
@@ -186,6 +210,7 @@ async def _engine(args: argparse.Namespace, slice_sizes: list[int]) -> None:
             await engine.aclose()
             shutil.rmtree(workdir, ignore_errors=True)
     files.FileOps.read_slice_bytes = files.READ_SLICE_BYTES
+    tier_module.read_chunk_file = original
 
 
 if __name__ == "__main__":
