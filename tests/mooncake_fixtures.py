@@ -92,6 +92,48 @@ class MooncakeMaster:
                 )
             time.sleep(0.05)
 
+    def start_pool_node(self, segment: str = "256MB") -> subprocess.Popen[bytes]:
+        """A ``mooncake_client`` lending ``segment`` to the pool (a storage node of the fleet:
+        what it holds outlives any engine); the caller stops it by pid."""
+        binary = str(Path(self.binary).with_name("mooncake_client"))
+        with self.log.open("ab") as log:
+            node = subprocess.Popen(
+                [
+                    binary,
+                    "--host=127.0.0.1",
+                    f"--global_segment_size={segment}",
+                    f"--master_server_address=127.0.0.1:{self.rpc_port}",
+                    f"--metadata_server=http://127.0.0.1:{self.http_port}/metadata",
+                    f"--port={free_port()}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+            )
+        # Mounted once the master counts its segment: poll the master's metrics.
+        deadline = time.monotonic() + 20
+        while not self._segments_mounted():
+            if node.poll() is not None or time.monotonic() > deadline:
+                stop_process(node)
+                raise RuntimeError(f"mooncake_client did not mount a segment (rc={node.poll()})")
+            time.sleep(0.1)
+        return node
+
+    def _segments_mounted(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=1
+            ) as answer:
+                text = answer.read().decode()
+        except OSError:
+            return False
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return float(line.split()[-1]) > 0
+        return False
+
     def kill(self) -> None:
         """SIGKILL by pid (a crash: every key is gone, its metadata was in memory)."""
         process, self.process = self.process, None
@@ -109,6 +151,18 @@ class MooncakeMaster:
         except subprocess.TimeoutExpired:
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM by pid, SIGKILL after 10 s."""
+    if process.poll() is not None:
+        return
+    os.kill(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
 
 def _listening(port: int) -> bool:

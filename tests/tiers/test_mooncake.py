@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.kvfactory import make_caches, poison_blocks
-from tests.mooncake_fixtures import MooncakeMaster, mooncake_master  # noqa: F401
+from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, stop_process  # noqa: F401
 from tests.remote_fixtures import (
     BLOCK,
     CHUNK,
@@ -263,6 +263,29 @@ async def test_a_killed_writer_costs_misses_never_wrong_data(
         assert caches.bytes_equal(before)  # nothing was written into the blocks
         stats = engine.stats()["l3"]
         assert stats["hits"] == 0 and stats["misses"] >= 1 and stats["corrupt"] == 0
+
+
+async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+    writer_of: type[_Writer],
+) -> None:
+    """Engines that lend no segment (``segment=0``) put into a pool node's (``mooncake_client``):
+    a writer killed then costs the others nothing (docs/remote.md, "Mooncake Store")."""
+    node = mooncake_master.start_pool_node("64MB")
+    try:
+        tokens = tokens_for(3 * CHUNK + 5, seed=23)
+        writer = writer_of(mooncake_master.url(segment="0"), 23, len(tokens))
+        assert writer.wait_stored() == (4, 0)
+        writer.kill()
+        caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=23)
+        src = list(range(1, 1 + -(-len(tokens) // BLOCK)))
+        config = _config(mooncake_master.url(segment="0"), l3_timeout_s=5.0)
+        async with TieredKVEngine(config) as engine:
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+            await retrieve_bit_exact(engine, caches, tokens, src)
+            assert engine.stats()["l3"]["hits"] == 4
+    finally:
+        stop_process(node)
 
 
 async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
