@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.test_vllm_connector import BLOCK, CHUNK, run_vllm
-from tests.vllm.tiny_llama import build_tiny_llama, build_tiny_lora
+from tests.vllm.tiny_llama import build_tiny_blip2, build_tiny_llama, build_tiny_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 
@@ -158,3 +158,81 @@ def test_a_lora_request_hits_only_its_adapters_chunks(
     # Six distinct (salt, adapter) keyings stored 128 tokens each; two repeats loaded theirs.
     assert (host["stored_tokens"], host["loaded_tokens"]) == (6 * 128, 2 * 128)
     assert served["failures"] == 0
+
+
+def test_an_image_request_round_trips(workdir: pathlib.Path) -> None:
+    """A tiny BLIP-2 (8 image placeholder tokens inserted at the prompt's start): the same
+    tokens with image 0 store, with image 1 and without an image miss, and image 0 again
+    hits; greedy output equals the run without the connector, and the image changes it."""
+    model = build_tiny_blip2(workdir / "blip2")
+    text = _prompt(3, 131)  # 139 tokens with the image's 8
+    batches = [
+        [{"tokens": text, "image_seed": 0}],
+        [{"tokens": text, "image_seed": 1}],
+        [{"tokens": text, "image_seed": 0}],
+        [text],
+    ]
+    spec = {"images": True, "enable_prefix_caching": False}
+    connector = {"chunk_size": CHUNK, "l1_size": "64MiB"}
+    served = run_vllm(model, workdir, "image", batches, connector=connector, **spec)
+    plain = run_vllm(model, workdir, "image-plain", batches, connector=None, **spec)
+    outputs = _outputs(served)
+    assert outputs == _outputs(plain)
+    assert len({tuple(outputs[0]), tuple(outputs[1]), tuple(outputs[3])}) == 3
+    assert _cached(served) == [0, 0, (139 - 1) // BLOCK * BLOCK, 0]
+    assert served["engine_stats"]["host"]["loaded_tokens"] == 128
+    assert served["failures"] == 0
+
+
+def test_request_salt_follows_vllms_request_fields(tmp_path: pathlib.Path) -> None:
+    """The salt the scheduler derives from vLLM's own `Request`: an image's mark sits at its
+    placeholder, so chunks before it are the text-only ones and the rest differ per image;
+    cache_salt and LoRA marks sit at 0; prompt embeddings are not keyed; an adapter that is
+    not on local disk makes the request uncacheable (never a guess)."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    from tiered_kv.integrations.vllm import request_salt
+    from tiered_kv.keys import KeyScope, chunk_keys
+
+    tokens = _prompt(4, 200)
+
+    def request(**fields: Any) -> Any:
+        made = Request("r", tokens, SamplingParams(max_tokens=1), None)
+        for name, value in fields.items():
+            setattr(made, name, value)
+        return made
+
+    def image(identifier: str, offset: int) -> Any:
+        return MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=identifier,
+            mm_position=PlaceholderRange(offset=offset, length=16),
+        )
+
+    digests: dict[tuple[str, str], str | None] = {}
+    scope = KeyScope("", "m", "", 1, 0, "layout")
+    plain = chunk_keys(scope, tokens, CHUNK)
+    assert request_salt(request(), digests) == (True, None)
+    keyed = {}
+    for identifier in ("img-a", "img-b"):
+        cacheable, salt = request_salt(request(mm_features=[image(identifier, 70)]), digests)
+        assert cacheable and salt is not None and salt.marks[0][0] == 70
+        keyed[identifier] = chunk_keys(scope, tokens, CHUNK, salt)
+    assert keyed["img-a"][0] == keyed["img-b"][0] == plain[0]  # tokens [0, 64): before it
+    assert all(
+        len({a, b, c}) == 3
+        for a, b, c in zip(keyed["img-a"][1:], keyed["img-b"][1:], plain[1:], strict=True)
+    )
+    cacheable, salt = request_salt(request(cache_salt="t"), digests)
+    assert cacheable and salt is not None and salt.marks[0][0] == 0
+    adapter = build_tiny_lora(tmp_path / "lora", seed=3)
+    cacheable, salt = request_salt(request(lora_request=LoRARequest("x", 1, str(adapter))), digests)
+    assert cacheable and salt is not None and salt.marks[0][0] == 0
+    missing = LoRARequest("y", 2, str(tmp_path / "not-downloaded"))
+    assert request_salt(request(lora_request=missing), digests) == (False, None)
+    embeds = request(prompt_embeds=object())
+    assert request_salt(embeds, digests) == (False, None)

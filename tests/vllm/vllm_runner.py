@@ -5,7 +5,9 @@ SPEC: {"model": dir, "connector": extra config dict or null, "role": "kv_both",
 lists], ...], "load_failure_policy": "recompute", "enable_prefix_caching": true,
 "max_num_batched_tokens": n, "kv_cache_memory_bytes": n, "max_model_len": n, "max_num_seqs": n,
 "kill_before_batch": {"index": pid}, "lora_modules": {name: [int id, path]}, "max_lora_rank": n}.
-A prompt is a list of token ids or {"tokens": [...], "cache_salt": str, "lora": name}. Each batch
+A prompt is a list of token ids or {"tokens": [...], "cache_salt": str, "lora": name,
+"image_seed": n} (a random 32x32 image made from the seed; the spec then needs "images": true).
+Each batch
 is one ``LLM.generate`` call (greedy), run in
 order; ``kill_before_batch`` SIGKILLs a process (an L3 server) before that batch. OUT: per batch,
 per prompt, the output token ids and vLLM's ``num_cached_tokens``, the seconds each batch took
@@ -50,6 +52,8 @@ def main(spec_path: str, out_path: str) -> None:
     }
     if loras:
         kwargs.update(enable_lora=True, max_lora_rank=spec.get("max_lora_rank", 8), max_loras=2)
+    if spec.get("images"):
+        kwargs["limit_mm_per_prompt"] = {"image": 1}
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
@@ -84,6 +88,8 @@ def main(spec_path: str, out_path: str) -> None:
             request = TokensPrompt(prompt_token_ids=prompt["tokens"])
             if prompt.get("cache_salt") is not None:
                 request["cache_salt"] = prompt["cache_salt"]
+            if prompt.get("image_seed") is not None:
+                request["multi_modal_data"] = {"image": _image(prompt["image_seed"])}
             requests.append(request)
         lora = [loras[p["lora"]] if p.get("lora") else None for p in prompts]
         outputs = llm.generate(
@@ -113,6 +119,14 @@ def main(spec_path: str, out_path: str) -> None:
     result["total_s"] = time.monotonic() - started
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _image(seed: int) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).random((32, 32, 3)) * 255
+    return Image.fromarray(pixels.astype("uint8"))
 
 
 def _observe_stats(llm: Any) -> dict[str, Any]:
