@@ -11,7 +11,11 @@ Measures, in one run:
    ``read_parallelism``) over the client's default pool of K connections (``xK``, K =
    `default_pool_size`, against the K-stream ceiling); GB/s, p50 / p99.
 3. The same through redis-server (own process) and `RedisConnector` (pool of 1, then K).
-4. ``contains_many`` of 512 keys (one round trip) against both.
+4. The same through Mooncake Store: ``mooncake_master`` and a pool node (``mooncake_client``
+   lending the segment that holds the chunks) in their own processes, and `MooncakeConnector`
+   (lending no segment itself, so every byte crosses a socket as with the others), its gets
+   batched; needs the ``mooncake`` extra.
+5. ``contains_many`` of 512 keys (one round trip) against each.
 
 Usage: ``tiered-kv bench remote [--quick] [--out DIR] [--no-plot]`` (or ``python
 bench/remote.py`` in a clone). Details go to stderr; the table of ratios is printed last on
@@ -23,14 +27,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
+import importlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +192,72 @@ async def exists_latency(make_tier: Callable[[], RemoteTier], rounds: int, label
     return p50
 
 
+def mooncake_binaries() -> tuple[str, str] | None:
+    """``mooncake_master`` and ``mooncake_client`` of the ``mooncake`` extra (beside this
+    interpreter, or on PATH), or None when the extra or its native library is missing."""
+    if importlib.util.find_spec("mooncake") is None:
+        return None
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError as exc:  # libibverbs1 missing
+        log(f"mooncake.store does not import: {exc}")
+        return None
+    found = []
+    for name in ("mooncake_master", "mooncake_client"):
+        beside = Path(sys.executable).with_name(name)
+        path = str(beside) if beside.exists() else shutil.which(name)
+        if path is None:
+            return None
+        found.append(path)
+    return found[0], found[1]
+
+
+@contextlib.contextmanager
+def mooncake_pool(binaries: tuple[str, str], segment: str) -> Iterator[str]:
+    """A master and a pool node lending ``segment``, each in its own process, on loopback;
+    yields the ``l3_url`` of a client that lends nothing."""
+    master, node = binaries
+    rpc, http, metrics, node_port = (free_port() for _ in range(4))
+    master_args = [
+        master,
+        f"--rpc_port={rpc}",
+        "--rpc_address=127.0.0.1",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http}",
+        f"--metrics_port={metrics}",
+    ]
+    node_args = [
+        node,
+        "--host=127.0.0.1",
+        f"--global_segment_size={segment}",
+        f"--master_server_address=127.0.0.1:{rpc}",
+        f"--metadata_server=http://127.0.0.1:{http}/metadata",
+        f"--port={node_port}",
+    ]
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    with process(master_args, rpc, env=env), process(node_args, node_port, env=env):
+        deadline = time.monotonic() + 30
+        while not _pool_capacity(metrics):  # the node's segment is mounted
+            if time.monotonic() > deadline:
+                raise RuntimeError("mooncake: the pool node's segment was never mounted")
+            time.sleep(0.1)
+        yield f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata&segment=0"
+
+
+def _pool_capacity(metrics_port: int) -> float:
+    try:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("master_total_capacity_bytes "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 async def run(args: argparse.Namespace, plt: Any) -> int:
     rounds = 4 if args.quick else 12
     size = 32 * MiB
@@ -193,8 +266,10 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     has_redis = (
         shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
     )
+    mooncake = mooncake_binaries()
     stream_counts = sorted({1, 2, 4, 8, connections} if args.quick else set(range(1, 9)))
-    progress = Progress(len(stream_counts) + (7 if has_redis else 4), "remote", plain_lines=7)
+    steps = len(stream_counts) + 4 + (3 if has_redis else 0) + (3 if mooncake else 0)
+    progress = Progress(steps, "remote", plain_lines=7)
     log(f"chunk: {layout.nbytes(CHUNK_TOKENS)} bytes of KV; {os.cpu_count()} CPUs")
     raw: dict[int, float] = {}
     for streams in stream_counts:
@@ -270,6 +345,38 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                         lambda: redis_tier(connections), 50 if args.quick else 200, "redis"
                     )
                     progress.advance("redis EXISTS")
+        if mooncake is None:
+            log("the mooncake extra (or libibverbs1) not found: skipping the Mooncake rows")
+        else:
+            from tiered_kv.config import parse_l3_url
+            from tiered_kv.tiers.remote.mooncake_store import MooncakeConnector
+
+            with mooncake_pool(mooncake, "1GB") as url:
+                options = parse_l3_url(url).mooncake
+                assert options is not None
+
+                def mooncake_tier(in_flight: int) -> RemoteTier:
+                    connector = MooncakeConnector(options, timeout_s=60, connections=in_flight)
+                    return RemoteTier(connector, timeout_s=60)
+
+                results["mooncake x1"] = await put_get(
+                    mooncake_tier(1), layout, arena, 1, 1, 4 * rounds, "mooncake, 1 in flight"
+                )
+                progress.advance("mooncake x1")
+                results[f"mooncake {striped}"] = await put_get(
+                    mooncake_tier(connections),
+                    layout,
+                    arena,
+                    STRIPED_CHUNKS,
+                    connections,
+                    max(1, rounds // 2),
+                    f"mooncake, {connections} in flight (batched)",
+                )
+                progress.advance(f"mooncake {striped}")
+                exists["mooncake"] = await exists_latency(
+                    lambda: mooncake_tier(connections), 50 if args.quick else 200, "mooncake"
+                )
+                progress.advance("mooncake EXISTS")
     finally:
         progress.close()
         leaked = arena.close()
@@ -317,6 +424,11 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
             get_ratio = ours["get_gbps"] / theirs["get_gbps"]
             print(f"  tkv {shape} PUT / redis     {put_ratio:6.2f}  (>= 2)")
             print(f"  tkv {shape} GET / redis     {get_ratio:6.2f}  (>= 2)")
+        moon = results.get(f"mooncake {shape}")
+        if moon is not None:
+            put_ratio, get_ratio = moon["put_gbps"] / bound, moon["get_gbps"] / bound
+            print(f"  mooncake {shape} PUT / raw x{streams}  {put_ratio:6.2f}")
+            print(f"  mooncake {shape} GET / raw x{streams}  {get_ratio:6.2f}")
     print(f"  tkv EXISTS x512 p50 ms     {exists['tkv']:6.3f}  (< 2)")
     return 0
 
