@@ -89,6 +89,27 @@ def _posix_pass(
     return len(paths) * size / _threads(jobs, threads) / 1e9
 
 
+def _can_register(cufile, path: Path) -> bool:
+    """Try `handle_register` on ``path`` opened with and without O_DIRECT; print each outcome."""
+    works = False
+    for label, flags in (("O_DIRECT", os.O_DIRECT), ("buffered", 0)):
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            descr = cufile.Descr()
+            descr.type = cufile.FileHandleType.OPAQUE_FD
+            descr.handle.fd = fd
+            descr.fs_ops = 0
+            handle = cufile.handle_register(descr.ptr)
+            cufile.handle_deregister(handle)
+            print(f"  handle_register ({label} fd): ok", flush=True)
+            works = True
+        except Exception as exc:  # noqa: BLE001 - a probe reports every failure
+            print(f"  handle_register ({label} fd): {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            os.close(fd)
+    return works
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=None)
@@ -150,13 +171,22 @@ def main() -> int:
     try:
         print(f"cuFile version {cufile.get_version()}", flush=True)
         for name in dir(cufile.BoolConfigParameter):
-            if name.startswith("_"):
+            if not name.isupper():
                 continue
             try:
                 value = cufile.get_parameter_bool(getattr(cufile.BoolConfigParameter, name))
                 print(f"  {name} = {value}", flush=True)
             except Exception as exc:
                 print(f"  {name}: {exc}", flush=True)
+        if not _can_register(cufile, paths[0]):
+            print("retrying with FORCE_COMPAT_MODE set before the driver opens", flush=True)
+            cufile.driver_close()
+            cufile.set_parameter_bool(cufile.BoolConfigParameter.FORCE_COMPAT_MODE, True)
+            cufile.driver_open()
+            _can_register(cufile, paths[0])
+        log = Path("cufile.log")
+        if log.exists():
+            print("cufile.log (last lines):\n" + "\n".join(log.read_text().splitlines()[-15:]))
         try:
             cufile.buf_register(gpu.data_ptr(), gpu.numel(), 0)
             registered = True
