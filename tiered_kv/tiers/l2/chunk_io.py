@@ -31,6 +31,7 @@ from tiered_kv.errors import CodecError
 from tiered_kv.threads import check_abort
 from tiered_kv.tiers.l2.files import (
     NO_SPACE_ERRNOS,
+    DirectorySyncer,
     FileOps,
     read_header,
     readinto_exact,
@@ -53,6 +54,7 @@ class WriteJob:
     fsync: bool
     limits: CodecLimits
     file_ops: FileOps
+    directory_sync: DirectorySyncer  # the rename's directory fsync, shared with other writers
     lock: DirectoryLock
     stamp_ns: int  # the file's mtime: its recency for the index rebuilt at open
     measure_free_space: bool  # after the write, too (a no-space failure always measures)
@@ -114,7 +116,7 @@ def write_chunk_file(job: WriteJob) -> None:
     job.committed = True
     if job.fsync:
         try:
-            job.file_ops.fsync_directory(job.directory)
+            job.directory_sync.sync(job.directory)
         except BaseException:
             # The rename may not survive a crash; do not report a chunk as stored.
             job.committed = False

@@ -8,10 +8,12 @@ Must not know about the index, the lock or the tier's policies.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -85,6 +87,78 @@ class FileOps:
 
 
 DEFAULT_FILE_OPS = FileOps()
+
+
+@dataclasses.dataclass(slots=True)
+class _SyncBatch:
+    """Callers sharing one fsync of a directory; ``done`` once it returned or raised."""
+
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _DirectorySyncs:
+    running: _SyncBatch | None = None
+    pending: _SyncBatch | None = None  # joined by every caller until it starts
+    members: int = 0  # callers of this directory inside `sync`
+
+
+class DirectorySyncer:
+    """Group commit of directory fsyncs: writers that renamed into one directory while an fsync
+    of it was running share the next one, instead of each paying its own.
+
+    `sync` returns once an fsync of the directory that began after the call returned: every
+    rename the caller made before calling is durable then. At most one fsync of a directory
+    runs at a time; callers arriving meanwhile join the batch that runs next (its first caller
+    runs it once the current one ends). When that fsync raises, every caller of its batch gets
+    the error. Thread-safe; blocks (the tier's write threads call it).
+    """
+
+    def __init__(self, file_ops: FileOps) -> None:
+        self._file_ops = file_ops
+        self._changed = threading.Condition()
+        self._directories: dict[Path, _DirectorySyncs] = {}
+        self.calls = 0  # fsyncs run (the batches), for stats and tests
+
+    def sync(self, directory: Path) -> None:
+        with self._changed:
+            state = self._directories.setdefault(directory, _DirectorySyncs())
+            state.members += 1
+            batch = state.pending
+            if batch is None:
+                batch = state.pending = _SyncBatch()
+            try:
+                while not batch.done:
+                    if state.running is None and state.pending is batch:
+                        state.pending, state.running = None, batch
+                        self._run(directory, batch)
+                        state.running = None
+                        self._changed.notify_all()
+                    else:
+                        self._changed.wait()
+            finally:
+                state.members -= 1
+                if not state.members:
+                    del self._directories[directory]
+        error = batch.error
+        if isinstance(error, OSError):
+            # A copy per caller: one exception object raised in several threads shares a traceback.
+            raise OSError(error.errno, error.strerror, error.filename) from error
+        if error is not None:
+            raise error
+
+    def _run(self, directory: Path, batch: _SyncBatch) -> None:
+        """The batch's fsync, outside the condition's lock (called holding it)."""
+        self._changed.release()
+        try:
+            self._file_ops.fsync_directory(directory)
+        except BaseException as exc:
+            batch.error = exc
+        finally:
+            self._changed.acquire()
+            batch.done = True
+            self.calls += 1
 
 
 def write_all_at(

@@ -2,7 +2,9 @@
 
 Owns the files under ``root``, their index (key → file, LRU order, bytes used) and the directory
 lock. A chunk lives at ``root/<first 2 hex>/<key hex>``; it is written to a temp name in the same
-directory, fsynced and renamed, so neither readers nor a restarted process ever see half a chunk.
+directory, fsynced and renamed, so neither readers nor a restarted process ever see half a chunk;
+the directory's fsync after the rename is shared by the puts that renamed into it meanwhile
+(`DirectorySyncer`, group commit; ``stats().directory_syncs`` counts them).
 ``root/.lock`` (flock) keeps a second tier out of the directory. `open` rebuilds the index from
 the files' headers; torn, corrupt or misnamed files are removed there and whenever a read finds
 them.
@@ -66,6 +68,7 @@ from tiered_kv.tiers.l2.files import (
     DEFAULT_FILE_OPS,
     NO_SPACE_ERRNOS,
     TEMP_SUFFIX,
+    DirectorySyncer,
     FileOps,
     set_mtimes,
     unlink_paths,
@@ -102,6 +105,7 @@ class DiskStats(TierStats):
     directory_recreated: int = 0  # the directory or its lock file was removed and made again
     touches: int = 0
     touch_failures: int = 0
+    directory_syncs: int = 0  # fsyncs of shard directories after renames (several puts share one)
     write_seconds: float = 0.0  # sum of per-write latencies
     read_seconds: float = 0.0
 
@@ -113,6 +117,7 @@ _COUNTERS = counter_fields(
         *TIER_OCCUPANCY,
         "bytes_reserved",
         "effective_capacity",
+        "directory_syncs",
         "write_seconds",
         "read_seconds",
     ),
@@ -155,6 +160,7 @@ class DiskTier(LowerTier):
         self._read_pool = BlockingPool("tkv-l2-read", threads)
         self._write_pool = BlockingPool("tkv-l2-write", write_threads(threads))
         self._lock = DirectoryLock(self.root, file_ops)
+        self._directory_sync = DirectorySyncer(file_ops)
         self._state = "new"
         self._index: collections.OrderedDict[ChunkKey, Entry] = collections.OrderedDict()
         self._bytes_used = 0
@@ -249,6 +255,7 @@ class DiskTier(LowerTier):
             effective_capacity=self._effective_capacity,
             write_seconds=self._write_seconds,
             read_seconds=self._read_seconds,
+            directory_syncs=self._directory_sync.calls,
             **self._counters,
         )
 
@@ -387,6 +394,7 @@ class DiskTier(LowerTier):
                 fsync=self.fsync,
                 limits=self.limits,
                 file_ops=self.file_ops,
+                directory_sync=self._directory_sync,
                 lock=self._lock,
                 stamp_ns=self._stamp(),
                 measure_free_space=self._effective_capacity < self.capacity,
