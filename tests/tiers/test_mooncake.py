@@ -251,18 +251,28 @@ async def test_a_killed_writer_costs_misses_never_wrong_data(
     writer = writer_of(mooncake_master.url(), 22, len(tokens))
     assert writer.wait_stored() == (4, 0)
     caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=22)
-    config = _config(mooncake_master.url(segment="0"), l3_timeout_s=2.0)
-    async with TieredKVEngine(config) as engine:
+    timeout_s = 1.0
+    config = _config(mooncake_master.url(segment="0"), l3_timeout_s=timeout_s)
+    engine = TieredKVEngine(config)
+    async with engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == len(tokens)
         writer.kill()  # SIGKILL: its segment, holding every chunk, is gone
         dst = list(range(12, 12 + -(-len(tokens) // BLOCK)))
         poison_blocks(caches, dst)
         before = caches.snapshot()
+        # The master still lists the dead segment; the transfer from it retries for seconds
+        # (Mooncake backs off 1, 2, 4 s), but the load ends at its deadline.
+        started = time.monotonic()
         assert await engine.retrieve(tokens, dst) == 0
+        elapsed = time.monotonic() - started
+        assert elapsed < 2 * timeout_s + 1.0, elapsed
         assert caches.bytes_equal(before)  # nothing was written into the blocks
         stats = engine.stats()["l3"]
         assert stats["hits"] == 0 and stats["misses"] >= 1 and stats["corrupt"] == 0
+        # The L1 objects of the transfers still running stay allocated until they end.
+        assert stats["client_held_past_deadline"] >= 1
+    assert engine.leaked_on_close == 0  # every held object was given back by close
 
 
 async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(

@@ -5,11 +5,14 @@ timeouts, the local set of keys known to be remote (what `contains` answers from
 counters. `tiered_kv.tiers.factory` builds it from ``EngineConfig.l3_url``.
 
 Must not: raise into the serving path (every failure or timeout is a miss or a skipped store,
-logged and counted), keep `MemoryObj`s or change their reference counts, hand out bytes whose
-key, layout and checksum were not verified, or do I/O in `contains`.
+logged and counted), keep `MemoryObj`s or change their reference counts (but a connector may
+hold a reference on a get's object past a timeout, see below), hand out bytes whose key, layout
+and checksum were not verified, or do I/O in `contains`.
 
 Threads: loop-only, like every tier. A call cancelled or timed out while a connector holds the
-caller's buffers returns only after the connector let go of them (see `RemoteConnector`).
+caller's buffers returns only after the connector let go of them, or, for a get whose transfer
+cannot be stopped at once (Mooncake), after it took a reference on the object that it drops
+when the transfer ends (see `RemoteConnector`): the object then stays allocated, unused.
 """
 
 from __future__ import annotations
@@ -226,7 +229,9 @@ class RemoteTier(LowerTier):
         self._check_open("get_into")
         specs = obj.group_specs()
         key_bytes = key.to_bytes()
-        sink = FrameSink(bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers())
+        sink = FrameSink(
+            bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers(), owner=obj
+        )
         self.connector.use_host_memory(obj.arena.base_ptr, obj.arena.capacity)
         started = time.perf_counter()
         try:

@@ -11,7 +11,10 @@ Contract for implementers:
   a connection's thread), never on the loop's default executor.
 - Buffers belong to the caller. `put` reads ``frame``'s parts and `get_into` writes the sink's
   buffers only until it returns or raises (cancellation included): a thread still using them
-  is stopped and waited for first. Neither keeps them.
+  is stopped and waited for first. Neither keeps them, with one exception: a `get_into`
+  cancelled while a transfer it cannot stop still writes the buffers may instead take a
+  reference on ``sink.owner`` (the L1 object they belong to) and return; it drops the
+  reference when the transfer has ended, so the buffers are not reused meanwhile.
 - `get_into` fills ``sink.header`` then ``sink.payload`` in order and feeds every payload byte
   to ``sink.hasher``; a stored frame whose length is not ``sink.total_len`` is SIZE_MISMATCH
   and nothing is promised about the buffers then.
@@ -29,6 +32,7 @@ import dataclasses
 import enum
 import os
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -49,13 +53,23 @@ class FetchStatus(enum.Enum):
     SIZE_MISMATCH = "size mismatch"
 
 
+class BufferOwner(Protocol):
+    """What owns a sink's payload buffers (a `MemoryObj`): references keep them allocated."""
+
+    def ref(self) -> object: ...
+
+    def unref(self) -> None: ...
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class FrameSink:
-    """Where `get_into` puts a frame: its header, then the payload straight into L1 buffers."""
+    """Where `get_into` puts a frame: its header, then the payload straight into L1 buffers
+    (owned by ``owner``, when the caller names it)."""
 
     header: bytearray
     payload: list[memoryview]
     hasher: xxhash.xxh3_64 = dataclasses.field(default_factory=xxhash.xxh3_64)
+    owner: BufferOwner | None = None
 
     @property
     def total_len(self) -> int:

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import importlib
 import ipaddress
 import logging
@@ -114,8 +115,20 @@ class _Request(Generic[_T]):
     future: asyncio.Future[_T]
     slot: int
     sink: FrameSink | None = None
-    lent: bool = False  # its buffers are in a transfer now
+    lent: bool = False  # its buffers (and header slot) are in a transfer now
     released: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    on_release: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def lend(self) -> None:
+        self.lent = True
+
+    def release(self) -> None:
+        """On the loop, when the transfer has let go of the buffers."""
+        self.lent = False
+        self.released.set()
+        callbacks, self.on_release = self.on_release, []
+        for callback in callbacks:
+            callback()
 
 
 class MooncakeConnector(RemoteConnector):
@@ -146,7 +159,7 @@ class MooncakeConnector(RemoteConnector):
         self._slab = (ctypes.c_uint8 * (HEADER_SLOT_BYTES * HEADER_SLOTS))()
         self._slab_ptr = ctypes.addressof(self._slab)
         self._free_slots = list(range(HEADER_SLOTS))
-        self._slot_freed: asyncio.Condition | None = None
+        self._slots_free: asyncio.Semaphore | None = None
         self._pool = BlockingPool("tkv-mooncake", 4)
         self._gets: list[_Request[FetchStatus]] = []
         self._puts: list[_Request[None]] = []
@@ -163,6 +176,7 @@ class MooncakeConnector(RemoteConnector):
                 "setups",
                 "setup_failures",
                 "abandoned_calls",
+                "held_past_deadline",
             ),
             0,
         )
@@ -182,7 +196,7 @@ class MooncakeConnector(RemoteConnector):
     async def open(self) -> None:
         # Set-up talks to the master; it happens on the first request, so a master that is
         # down at start-up costs misses, not a failed engine start.
-        self._slot_freed = asyncio.Condition()
+        self._slots_free = asyncio.Semaphore(HEADER_SLOTS)
 
     def stats(self) -> dict[str, int | float]:
         pool = self._pool.stats()
@@ -216,22 +230,19 @@ class MooncakeConnector(RemoteConnector):
             raise RemoteError(f"mooncake: a {len(header)}-byte header exceeds its slot")
         pointers = [self._payload_address(part) for part in payload]
         slot = await self._take_slot()
-        try:
-            start = slot * HEADER_SLOT_BYTES
-            ctypes.memmove(self._slab_ptr + start, bytes(header), len(header))
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            request = _Request(
-                self.name(key),
-                [self._slab_ptr + start, *pointers],
-                [len(header), *(len(part) for part in payload)],
-                future,
-                slot,
-            )
-            self._puts.append(request)
-            self._drain("put")
-            await self._await_request(request)
-        finally:
-            await self._give_slot(slot)
+        start = slot * HEADER_SLOT_BYTES
+        ctypes.memmove(self._slab_ptr + start, bytes(header), len(header))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        request = _Request(
+            self.name(key),
+            [self._slab_ptr + start, *pointers],
+            [len(header), *(len(part) for part in payload)],
+            future,
+            slot,
+        )
+        self._puts.append(request)
+        self._drain("put")
+        await self._await_request(request)
 
     async def get_into(self, key: ChunkKey, sink: FrameSink) -> FetchStatus:
         self._check_usable()
@@ -239,21 +250,18 @@ class MooncakeConnector(RemoteConnector):
             raise RemoteError(f"mooncake: a {len(sink.header)}-byte header exceeds its slot")
         pointers = [self._payload_address(buffer) for buffer in sink.payload]
         slot = await self._take_slot()
-        try:
-            future: asyncio.Future[FetchStatus] = asyncio.get_running_loop().create_future()
-            request = _Request(
-                self.name(key),
-                [self._slab_ptr + slot * HEADER_SLOT_BYTES, *pointers],
-                [len(sink.header), *(len(buffer) for buffer in sink.payload)],
-                future,
-                slot,
-                sink,
-            )
-            self._gets.append(request)
-            self._drain("get")
-            return await self._await_request(request)
-        finally:
-            await self._give_slot(slot)
+        future: asyncio.Future[FetchStatus] = asyncio.get_running_loop().create_future()
+        request = _Request(
+            self.name(key),
+            [self._slab_ptr + slot * HEADER_SLOT_BYTES, *pointers],
+            [len(sink.header), *(len(buffer) for buffer in sink.payload)],
+            future,
+            slot,
+            sink,
+        )
+        self._gets.append(request)
+        self._drain("get")
+        return await self._await_request(request)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -307,29 +315,41 @@ class MooncakeConnector(RemoteConnector):
         raise RemoteError("mooncake: a payload buffer lies outside the announced host memory")
 
     async def _take_slot(self) -> int:
-        condition = self._slot_freed
-        if condition is None:
+        slots = self._slots_free
+        if slots is None:
             raise RemoteUnavailable("mooncake: connector not open")
-        async with condition:
-            await condition.wait_for(lambda: bool(self._free_slots))
-            return self._free_slots.pop()
+        await slots.acquire()
+        return self._free_slots.pop()
 
-    async def _give_slot(self, slot: int) -> None:
-        condition = self._slot_freed
-        assert condition is not None  # a slot was taken
-        async with condition:
-            self._free_slots.append(slot)
-            condition.notify()
+    def _give_slot(self, slot: int) -> None:
+        assert self._slots_free is not None  # a slot was taken
+        self._free_slots.append(slot)
+        self._slots_free.release()
 
     async def _await_request(self, request: _Request[_T]) -> _T:
+        """The request's result; its header slot goes back once no transfer uses it.
+
+        Cancelled while a transfer uses the caller's buffers: a get whose sink names an owner
+        (the L1 object) takes a reference on it, which the transfer's end drops, and returns at
+        once (a transfer to a dead segment retries for seconds); otherwise it waits for the
+        transfer to let go of the buffers."""
         try:
             return await request.future
         except asyncio.CancelledError:
-            # A transfer into or out of the caller's buffers: wait until it let go of them.
-            while request.lent:
+            owner = None if request.sink is None else request.sink.owner
+            if request.lent and owner is not None:
+                owner.ref()
+                self._counters["held_past_deadline"] += 1
+                request.on_release.append(owner.unref)
+            while request.lent and owner is None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await request.released.wait()
             raise
+        finally:
+            if request.lent:
+                request.on_release.append(functools.partial(self._give_slot, request.slot))
+            else:
+                self._give_slot(request.slot)
 
     def _drain(self, kind: str) -> None:
         """Start the batch loop of ``kind`` unless it runs already (it ends when idle)."""
@@ -387,13 +407,12 @@ class MooncakeConnector(RemoteConnector):
             else:
                 request.future.set_exception(RemoteError(f"mooncake get of a chunk: code {code}"))
         for request in ready:
-            request.lent = True
+            request.lend()
         try:
             results = await self._lent(lambda store: self._transfer_in(store, ready, started))
         finally:
             for request in ready:
-                request.lent = False
-                request.released.set()
+                request.release()
         for request, result in zip(ready, results, strict=True):
             if request.future.done():
                 continue
@@ -475,7 +494,7 @@ class MooncakeConnector(RemoteConnector):
             return codes
 
         for request in batch:
-            request.lent = True
+            request.lend()
         try:
             codes: list[int | Exception]
             try:
@@ -484,8 +503,7 @@ class MooncakeConnector(RemoteConnector):
                 codes = [exc] * len(batch)
         finally:
             for request in batch:
-                request.lent = False
-                request.released.set()
+                request.release()
         for request, code in zip(batch, codes, strict=True):
             if request.future.done():
                 continue
