@@ -13,14 +13,18 @@ is in flight are gathered into the next batch: one ``batch_put_from_multi_buffer
 one get session (``batch_get_session_start``, then ``batch_get_into_multi_buffer_ranges``)
 for gets, one ``batch_is_exist`` per lookup.
 
-Deadlines: a call blocks about 4.3 s while the master is unreachable. A get is split so that
-only the part that lends no buffer talks to the master: the session's start (which replicas
-hold the keys) is abandoned at the caller's deadline, its thread left to finish; the transfer
-into the caller's buffers talks to the segments' owners only, and a cancelled `get_into` waits
-for it, so nothing writes the buffers after it returns. Puts lend their buffers for the whole
-call and are waited for (within Mooncake's own RPC timeout). While a call that outlived its
-deadline is still running, new requests fail at once: threads never pile up behind a dead
-master, and every request then costs a miss, not a timeout.
+Deadlines: a call blocks about 4.3 s while the master is unreachable, and a transfer from a
+segment whose owner died is retried for seconds (1 + 2 + 4 s) while the master still lists it.
+A get is split so that only the part that lends no buffer talks to the master: the session's
+start (which segments hold the keys) is abandoned at the caller's deadline, its thread left to
+finish. The transfer into the caller's buffers cannot be stopped: a get cancelled during it
+takes a reference on the sink's owner (the L1 object) and returns at once; the transfer's end
+drops it, so the buffers are never reused while they may still be written (the object is a
+miss, never promoted). If a custom tier below L3 were then read into the same object, a late
+transfer could still land in it: only dead or stalled segments leave one running. Puts lend
+their buffers for the whole call and are waited for (within Mooncake's own RPC timeout). While
+a call that outlived its deadline is still running, new requests fail at once: threads never
+pile up behind a dead master, and every request then costs a miss, not a timeout.
 
 Return codes (never exceptions) become `FetchStatus` or `RemoteError`s: -704 not found is
 MISSING, -200 no space is `RemoteNoSpace` (counted as ``no_space``); a get of fewer bytes than
