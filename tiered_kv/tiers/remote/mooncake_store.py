@@ -23,8 +23,9 @@ drops it, so the buffers are never reused while they may still be written (the o
 miss, never promoted). If a custom tier below L3 were then read into the same object, a late
 transfer could still land in it: only dead or stalled segments leave one running. Puts lend
 their buffers for the whole call and are waited for (within Mooncake's own RPC timeout). While
-a call that outlived its deadline is still running, new requests fail at once: threads never
-pile up behind a dead master, and every request then costs a miss, not a timeout.
+a master round trip that outlived its deadline is still running, new requests fail at once:
+threads never pile up behind a dead master, and every request then costs a miss, not a
+timeout.
 
 Return codes (never exceptions) become `FetchStatus` or `RemoteError`s: -704 not found is
 MISSING, -200 no space is `RemoteNoSpace` (counted as ``no_space``); a get of fewer bytes than
@@ -168,7 +169,7 @@ class MooncakeConnector(RemoteConnector):
         self._gets: list[_Request[FetchStatus]] = []
         self._puts: list[_Request[None]] = []
         self._drains: dict[str, asyncio.Task[None]] = {}
-        self._running: dict[int, float] = {}  # call id -> when it started
+        self._running: dict[int, float] = {}  # master round trip -> when it was submitted
         self._call_ids = 0
         self._closed = False
         self._counters = dict.fromkeys(
@@ -207,7 +208,7 @@ class MooncakeConnector(RemoteConnector):
         return {
             **self._counters,
             "threads": pool.threads,
-            "calls_running": len(self._running),
+            "master_calls_running": len(self._running),
             "registered_regions": len(self._registered),
         }
 
@@ -304,7 +305,8 @@ class MooncakeConnector(RemoteConnector):
         if any(now - started > self.timeout_s for started in self._running.values()):
             self._counters["refused_stalled"] += 1
             raise RemoteUnavailable(
-                "mooncake: a call is still running past its deadline (master unreachable?)"
+                "mooncake: a master round trip is still running past its deadline (master "
+                "unreachable?)"
             )
         if self._store is None and now < self._setup_failed_at + self._setup_backoff:
             raise RemoteUnavailable("mooncake: set-up failed recently; retrying after a backoff")
@@ -526,7 +528,7 @@ class MooncakeConnector(RemoteConnector):
         """``call(store)`` on the pool; a caller cancelled meanwhile leaves at once (nothing of
         its is lent), the call finishing on its thread."""
         self._check_usable()
-        future = self._pool.submit(self._tracked(call))
+        future = self._pool.submit(self._tracked(call, gate=True))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -536,14 +538,19 @@ class MooncakeConnector(RemoteConnector):
             raise
 
     async def _lent(self, call: Callable[[Any], _T]) -> _T:
-        """``call(store)`` on the pool, lending the caller's buffers: waited for when cancelled."""
-        return await self._pool.run(self._tracked(call))
+        """``call(store)`` on the pool, lending the caller's buffers: waited for when cancelled.
+        Not a stall when long (a batch of large transfers is)."""
+        return await self._pool.run(self._tracked(call, gate=False))
 
-    def _tracked(self, call: Callable[[Any], _T]) -> Callable[[], _T]:
+    def _tracked(self, call: Callable[[Any], _T], *, gate: bool) -> Callable[[], _T]:
+        """``call`` with the client ready; with ``gate``, a master round trip that should be
+        quick: counted in ``_running`` until it ends, so that one stuck past its deadline
+        refuses new requests (`_check_usable`)."""
         self._call_ids += 1
         call_id = self._call_ids
         loop = asyncio.get_running_loop()
-        self._running[call_id] = time.monotonic()
+        if gate:
+            self._running[call_id] = time.monotonic()
 
         def done() -> None:
             self._running.pop(call_id, None)
