@@ -363,11 +363,14 @@ class TieredKVEngine:
         *,
         model_name: str | None = None,
         salt: KeySalt | None = None,
+        skip_prefix_tokens: int = 0,
     ) -> int:
         """Copy the request's KV into the cache, chunk by chunk; returns tokens newly stored.
 
         Chunks some tier already holds are skipped. When L1 has no room even after evicting
         everything unreferenced, the remaining chunks are skipped (counted), not an error.
+        ``skip_prefix_tokens`` (a whole number of chunks) leaves the chunks before it out: their
+        blocks need not hold their KV (a sliding-window layer group has dropped them).
         """
         storage = self._require_storage()
         mover = self._require_mover()
@@ -376,10 +379,17 @@ class TieredKVEngine:
         keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
         ids = self._check_blocks(reg, block_ids, num_tokens)
+        skip_prefix_tokens = _int_argument("skip_prefix_tokens", skip_prefix_tokens)
+        if skip_prefix_tokens < 0 or skip_prefix_tokens % self.config.chunk_size:
+            raise LayoutError(
+                f"store: skip_prefix_tokens={skip_prefix_tokens} must be a whole number >= 0 of "
+                f"chunks of {self.config.chunk_size}"
+            )
         self._counters.store_calls += 1
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         try:
-            staged = self._stage(storage, reg, keys, num_tokens)
+            first = skip_prefix_tokens // self.config.chunk_size
+            staged = self._stage(storage, reg, keys, num_tokens, first=first)
             if not staged:
                 return 0
             await mover.gather(reg.layout, ids, [transfer for _, transfer in staged])
@@ -466,20 +476,31 @@ class TieredKVEngine:
 
     @_call
     async def prefetch(
-        self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
+        self,
+        token_ids: TokenIds,
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
+        from_token: int = 0,
     ) -> PrefetchHandle:
         """Start loading the cached prefix of ``token_ids`` into L1 and return its handle.
 
         The handle is the caller's: await it (or `wait`) for the loads, `cancel` it (or drop it)
         to free its reservations. A retrieve of the same tokens uses whatever it loaded.
+        ``from_token`` starts the prefix at the chunk holding that token (the handle's
+        ``first_chunk``): a sliding-window layer group keeps only the chunks of its window.
         """
         storage = self._require_storage()
         reg = self._registration(model_name)
         token_ids = _whole_blocks(reg, token_ids)
         keys = self._key_list(reg, token_ids, salt)
-        where = await storage.locate(keys)
+        from_token = _int_argument("from_token", from_token)
+        if from_token < 0:
+            raise LayoutError(f"prefetch: from_token must be >= 0, got {from_token}")
+        first = min(from_token // self.config.chunk_size, len(keys))
+        where = await storage.locate(keys[first:])
         self._counters.prefetch_calls += 1
-        return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=0)
+        return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=first)
 
     async def retrieve(
         self,
@@ -701,13 +722,18 @@ class TieredKVEngine:
         reg: Registration,
         keys: Sequence[ChunkKey],
         num_tokens: int,
+        *,
+        first: int = 0,
     ) -> list[tuple[ChunkKey, ChunkTransfer]]:
-        """Allocate L1 objects for the chunks no tier holds, in order, until L1 is full (the
-        rest are skipped and counted, not an error). The caller owns the objects."""
+        """Allocate L1 objects for the chunks from ``first`` on that no tier holds, in order,
+        until L1 is full (the rest are skipped and counted, not an error). The caller owns the
+        objects."""
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         desc = reg.layout.layout_desc
         try:
             for index, key in enumerate(keys):
+                if index < first:
+                    continue
                 if storage.tier_of(key) is not None:
                     self._counters.store_skipped_present += 1
                     continue

@@ -331,6 +331,18 @@ class PrefetchHandle:
             ready += slot.num_tokens
         return ready
 
+    def ready_chunks(self) -> list[bool]:
+        """Per slot (chunk ``first_chunk + i``): whether it is in host memory now. Unlike
+        `ready_tokens`, a chunk not ready does not end the answer (a sliding-window layer group
+        needs only the chunks of its window)."""
+        storage = self._controller.storage
+        return [
+            slot.load.succeeded()
+            if slot.load is not None and slot.held
+            else storage.in_l1(slot.key)
+            for slot in self._slots
+        ]
+
     async def wait(self, timeout: float | None = None) -> int:
         """Wait (at most ``timeout`` seconds) for the loads; returns `ready_tokens()`."""
         pending = [

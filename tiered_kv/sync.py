@@ -144,12 +144,18 @@ class SyncTieredKVEngine:
     metrics_text = _on_loop(TieredKVEngine.metrics_text)
 
     def prefetch(
-        self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
+        self,
+        token_ids: TokenIds,
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
+        from_token: int = 0,
     ) -> SyncPrefetchHandle:
         """`TieredKVEngine.prefetch` behind a blocking handle."""
-        return SyncPrefetchHandle(
-            self, self._call(self._engine.prefetch(token_ids, model_name=model_name, salt=salt))
+        handle = self._engine.prefetch(
+            token_ids, model_name=model_name, salt=salt, from_token=from_token
         )
+        return SyncPrefetchHandle(self, self._call(handle))
 
     def retrieve_layerwise(
         self,

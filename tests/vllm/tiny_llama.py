@@ -76,6 +76,61 @@ def build_tiny_llama(
     return path
 
 
+def build_tiny_gemma3(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+    """Write a random Gemma-3 text model (4 layers: sliding-window attention with a window of
+    64 tokens, then full attention, twice; head_dim 32): vLLM's hybrid allocator gives it two
+    KV cache groups."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
+    return path
+
+
+def _save_word_level_tokenizer(path: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(4, VOCAB_SIZE):
+        vocab[f"w{i}"] = i
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    ).save_pretrained(path)
+
+
 def build_tiny_blip2(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
     """Write a random BLIP-2 (a 2-layer ViT on 32x32 images, a 2-layer Q-Former with 8 query
     tokens, a 2-layer OPT with head_dim 32) and its processor. vLLM inserts the image's 8

@@ -115,6 +115,13 @@ def main(spec_path: str, out_path: str) -> None:
         result["engine_stats"] = connector.engine_stats()
         result["metrics_text"] = connector.engine_metrics_text()
         result["failures"] = connector.failures
+    result["hma_disabled"] = llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    if not spec.get("multiprocess"):
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        result["kv_cache_groups"] = [
+            type(group.kv_cache_spec).__name__
+            for group in scheduler.kv_cache_config.kv_cache_groups
+        ]
     llm.llm_engine.engine_core.shutdown()
     result["total_s"] = time.monotonic() - started
     with open(out_path, "w") as f:

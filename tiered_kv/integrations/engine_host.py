@@ -34,9 +34,35 @@ logger = logging.getLogger(__name__)
 class _Lookup:
     token_ids: list[int]
     salt: KeySalt | None
-    handle: PrefetchHandle
+    handles: list[PrefetchHandle]  # one per layer group, in registration order
     started: float
     deadline: float | None  # prefetch policy "timeout": answer with what is ready by then
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
+
+    def released(self) -> bool:
+        return any(handle.released for handle in self.handles)
+
+    def done(self) -> bool:
+        return all(handle.done() for handle in self.handles)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """One registration of a hybrid model's layers (a vLLM KV cache group): its model name in
+    chunk keys and, for sliding-window attention, the window in tokens (None: full
+    attention, every token before a position is read)."""
+
+    model_name: str
+    sliding_window: int | None = None
+
+
+def window_start(end: int, sliding_window: int, block_size: int) -> int:
+    """The first token whose KV a sliding-window group still reads after ``end`` tokens,
+    rounded down to a block: vLLM drops the blocks wholly before ``end - window + 1``."""
+    return max(0, end - sliding_window + 1) // block_size * block_size
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,6 +95,8 @@ class EngineHost(SyncTieredKVEngine):
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._server: LookupServer | None = None
         self._model_name: str | None = None
+        self._groups: list[LayerGroup] = []  # set by `register_kv_caches` (sliding_window=)
+        self._block_size = 0
         super().__init__(config, lower_tiers=lower_tiers)
 
     def register_kv_caches(
@@ -79,7 +107,13 @@ class EngineHost(SyncTieredKVEngine):
         world_size: int = 1,
         worker_id: int = 0,
         layout_hints: Mapping[str, Any] | None = None,
+        sliding_window: int | None = None,
+        block_size: int | None = None,
     ) -> MemoryLayoutDesc:
+        """Register a model's caches, or one layer group of a hybrid model: each group under a
+        model name of its own, ``sliding_window`` (tokens) for a sliding-window group, and the
+        serving stack's ``block_size`` (default: the layout's token multiple). Lookups answer
+        for every group registered (see `answer_lookup`)."""
         desc = super().register_kv_caches(
             kv_caches,
             model_name=model_name,
@@ -88,6 +122,9 @@ class EngineHost(SyncTieredKVEngine):
             layout_hints=layout_hints,
         )
         self._model_name = model_name
+        self._groups = [g for g in self._groups if g.model_name != model_name]
+        self._groups.append(LayerGroup(model_name, sliding_window))
+        self._block_size = block_size or desc.token_multiple
         return desc
 
     def serve_lookups(self, path: str) -> None:
@@ -108,6 +145,7 @@ class EngineHost(SyncTieredKVEngine):
         skip_prefix_tokens: int,
         claimed_tokens: int | None = None,
         salt: KeySalt | None = None,
+        model_name: str | None = None,
     ) -> RetrieveResult:
         """Retrieve the cached prefix into ``block_ids``. ``claimed_tokens`` (default: all of
         ``token_ids``) is what the serving stack counts on; the counters measure against it."""
@@ -115,7 +153,11 @@ class EngineHost(SyncTieredKVEngine):
 
         async def load() -> RetrieveResult:
             result = await self._engine.retrieve_detailed(
-                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens, salt=salt
+                token_ids,
+                block_ids,
+                skip_prefix_tokens=skip_prefix_tokens,
+                salt=salt,
+                model_name=model_name,
             )
             delivered = min(result.valid_tokens, claimed)
             self.counters.loads += 1
@@ -165,12 +207,17 @@ class EngineHost(SyncTieredKVEngine):
         *,
         model_name: str | None = None,
         salt: KeySalt | None = None,
+        skip_prefix_tokens: int = 0,
     ) -> int:
         """Copy the tokens' KV out of ``block_ids`` (done when this returns); new tokens stored."""
 
         async def store() -> int:
             stored = await self._engine.store(
-                token_ids, block_ids, model_name=model_name, salt=salt
+                token_ids,
+                block_ids,
+                model_name=model_name,
+                salt=salt,
+                skip_prefix_tokens=skip_prefix_tokens,
             )
             self.counters.stores += 1
             self.counters.stored_tokens += stored
@@ -188,7 +235,7 @@ class EngineHost(SyncTieredKVEngine):
             for request_id in ids:
                 lookup = self._lookups.pop(request_id, None)
                 if lookup is not None:
-                    lookup.handle.cancel()
+                    lookup.cancel()
 
         self._call(release())
 
@@ -212,7 +259,7 @@ class EngineHost(SyncTieredKVEngine):
             if server is not None:
                 await server.aclose()
             for lookup in self._lookups.values():
-                lookup.handle.cancel()
+                lookup.cancel()
             self._lookups.clear()
 
         try:
@@ -222,51 +269,118 @@ class EngineHost(SyncTieredKVEngine):
 
     # -- on the loop ------------------------------------------------------------------------
     async def answer_lookup(
-        self, request_id: str, token_ids: list[int], salt: KeySalt | None = None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        salt: KeySalt | None = None,
+        limit: int | None = None,
     ) -> int | None:
         """Tokens of ``token_ids``'s cached prefix now in host memory, or None ("ask again")
         while the loads the first lookup started are in flight, per ``prefetch_policy``:
         best_effort answers at once, wait_complete when every load ended, timeout when every
-        load ended or its budget ran out. Failed loads (a corrupt chunk) end the prefix."""
+        load ended or its budget ran out. Failed loads (a corrupt chunk) end the prefix.
+
+        A hybrid model (several layer groups) answers the longest whole-block prefix, at most
+        ``limit``, that every full-attention group holds from its start and every
+        sliding-window group holds over the window before its end."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         clock = time.perf_counter()
+        groups = self._groups or [LayerGroup(self._model_name or "")]
         lookup = self._lookups.get(request_id)
         if (
             lookup is None
             or lookup.token_ids != token_ids
             or lookup.salt != salt
-            or lookup.handle.released
+            or lookup.released()
         ):
             if lookup is not None:
-                lookup.handle.cancel()
-            handle = await self._engine.prefetch(token_ids, model_name=self._model_name, salt=salt)
+                lookup.cancel()
+            handles = await self._prefetch_groups(groups, token_ids, salt, limit)
             deadline = None
             if self.config.prefetch_policy == "timeout":
+                hit = max(handle.hit_tokens for handle in handles)
                 deadline = started + (
                     self.config.prefetch_timeout_base_s
-                    + self.config.prefetch_timeout_per_1k_tokens_s * handle.hit_tokens / 1000
+                    + self.config.prefetch_timeout_per_1k_tokens_s * hit / 1000
                 )
-            lookup = _Lookup(token_ids, salt, handle, started, deadline)
+            lookup = _Lookup(token_ids, salt, handles, started, deadline)
             self._lookups[request_id] = lookup
             while len(self._lookups) > self.config.prefetch_max_pending:
                 _, oldest = self._lookups.popitem(last=False)
-                oldest.handle.cancel()
+                oldest.cancel()
                 self.counters.prefetches_abandoned += 1
         self._lookups.move_to_end(request_id)
         self.counters.lookups += 1
-        handle = lookup.handle
         policy = self.config.prefetch_policy
         answer: int | None
         if (
             policy == "best_effort"
-            or handle.done()
+            or lookup.done()
             or (lookup.deadline is not None and loop.time() >= lookup.deadline)
         ):
-            answer = handle.ready_tokens()
+            if len(groups) == 1:
+                answer = lookup.handles[0].ready_tokens()
+            else:
+                answer = self._hybrid_ready(groups, lookup, len(token_ids), limit)
             self.counters.lookup_hit_tokens += answer
         else:
             answer = None
             self.counters.lookups_pending += 1
         self.counters.lookup_seconds += time.perf_counter() - clock
         return answer
+
+    async def _prefetch_groups(
+        self,
+        groups: list[LayerGroup],
+        token_ids: list[int],
+        salt: KeySalt | None,
+        limit: int | None,
+    ) -> list[PrefetchHandle]:
+        """One prefetch per group: full-attention groups from the start; sliding-window groups
+        over the window before the longest prefix every full group has located (shorter
+        answers whose window starts earlier are misses there)."""
+        handles: dict[str, PrefetchHandle] = {}
+        located = len(token_ids) if limit is None else min(limit, len(token_ids))
+        for group in groups:
+            if group.sliding_window is None:
+                handle = await self._engine.prefetch(
+                    token_ids, model_name=group.model_name, salt=salt
+                )
+                handles[group.model_name] = handle
+                located = min(located, handle.hit_tokens)
+        block = max(self._block_size, 1)
+        located = located // block * block
+        for group in groups:
+            if group.sliding_window is not None:
+                start = window_start(located, group.sliding_window, block)
+                handles[group.model_name] = await self._engine.prefetch(
+                    token_ids, model_name=group.model_name, salt=salt, from_token=start
+                )
+        return [handles[group.model_name] for group in groups]
+
+    def _hybrid_ready(
+        self, groups: list[LayerGroup], lookup: _Lookup, num_tokens: int, limit: int | None
+    ) -> int:
+        block, chunk = self._block_size, self.config.chunk_size
+        end = num_tokens if limit is None else min(limit, num_tokens)
+        windows: list[tuple[int, int, list[bool]]] = []  # window, first chunk, ready per chunk
+        for group, handle in zip(groups, lookup.handles, strict=True):
+            if group.sliding_window is None:
+                end = min(end, handle.ready_tokens())
+            else:
+                windows.append((group.sliding_window, handle.first_chunk, handle.ready_chunks()))
+        end = end // block * block
+        while end > 0:
+            if all(
+                all(
+                    0 <= index - first < len(ready) and ready[index - first]
+                    for index in range(
+                        window_start(end, window, block) // chunk, (end - 1) // chunk + 1
+                    )
+                )
+                for window, first, ready in windows
+            ):
+                return end
+            end -= block
+        return 0

@@ -8,9 +8,10 @@ not import a serving stack, touch KV bytes, or let a slow or missing worker bloc
 an answer that has not arrived yet is "ask again" (None), an unreachable worker is a miss (0).
 
 Messages: request ``{"id": n, "req": request_id, "tokens": [ints]}`` plus ``"salt": [[offset,
-hex], ...]`` for a salted request (`KeySalt.to_wire`); reply ``{"id": n, "ready": int or null}``
-where null means "a load is still in flight, ask again". A worker that cannot answer replies
-``{"id": n, "ready": 0, "error": "..."}``.
+hex], ...]`` for a salted request (`KeySalt.to_wire`) and ``"limit": n``, the most tokens the
+scheduler may claim (a hybrid model's answer depends on it); reply ``{"id": n, "ready": int or
+null}`` where null means "a load is still in flight, ask again". A worker that cannot answer
+replies ``{"id": n, "ready": 0, "error": "..."}``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 _LEN = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20  # a 4M-token prompt as JSON; anything larger is a broken peer
 
-LookupHandler = Callable[[str, list[int], KeySalt | None], Awaitable[int | None]]
+LookupHandler = Callable[[str, list[int], KeySalt | None, int | None], Awaitable[int | None]]
 
 
 def default_socket_dir() -> str:
@@ -64,7 +65,7 @@ class LookupServer:
     """Serves lookups on a Unix socket. Create, `start` and `aclose` on the engine's loop.
 
     Each connection's requests are answered in order by ``handler(request_id, token_ids,
-    salt)``;
+    salt, limit)``;
     a malformed frame closes only that connection.
     """
 
@@ -116,9 +117,12 @@ class LookupServer:
         if not isinstance(request_id, str) or not isinstance(tokens, list):
             raise ValueError("a request needs 'req' (str) and 'tokens' (list of ints)")
         salt = KeySalt.from_wire(message.get("salt"))  # ValueError: a broken peer
+        limit = message.get("limit")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise ValueError(f"'limit' must be an int, got {limit!r}")
         self.requests += 1
         try:
-            ready = await self._handler(request_id, tokens, salt)
+            ready = await self._handler(request_id, tokens, salt, limit)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the channel's boundary: a failed lookup is a miss
@@ -190,12 +194,15 @@ class _Peer:
         request_id: str,
         token_ids: Sequence[int],
         salt: KeySalt | None = None,
+        limit: int | None = None,
     ) -> None:
         self.pending[message_id] = request_id
         self.asking.add(request_id)
         message: dict[str, Any] = {"id": message_id, "req": request_id, "tokens": list(token_ids)}
         if salt is not None:
             message["salt"] = salt.to_wire()
+        if limit is not None:
+            message["limit"] = limit
         self.outbox += _encode(message)
 
     def flush(self) -> None:
@@ -269,17 +276,21 @@ class LookupClient:
         self.unreachable = 0
 
     def lookup(
-        self, request_id: str, token_ids: Sequence[int], salt: KeySalt | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: KeySalt | None = None,
+        limit: int | None = None,
     ) -> int | None:
-        """Cached tokens of ``token_ids`` (under ``salt``) ready on every rank; None: ask again;
-        0 on failure."""
+        """Cached tokens of ``token_ids`` (under ``salt``, at most ``limit``) ready on every
+        rank; None: ask again; 0 on failure."""
         for peer in self._peers:
             if request_id in peer.answers or request_id in peer.asking:
                 continue
             if peer.connect() is None:
                 return self._unreachable(request_id)
             self._next_id += 1
-            peer.ask(self._next_id, request_id, token_ids, salt)
+            peer.ask(self._next_id, request_id, token_ids, salt, limit)
         for peer in self._peers:
             peer.flush()
             peer.read_available()

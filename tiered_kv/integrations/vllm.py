@@ -40,12 +40,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.engine_host import EngineHost
+from tiered_kv.integrations.engine_host import EngineHost, window_start
 from tiered_kv.integrations.fingerprint import adapter_digest, model_fingerprint
 from tiered_kv.integrations.lookup_channel import (
     LookupClient,
@@ -151,6 +153,7 @@ class LoadSpec:
     skip_prefix_tokens: int
     claimed_end: int = 0
     salt: list[list[int | str]] | None = None  # `KeySalt.to_wire` of the request's salt
+    group_block_ids: list[list[int]] | None = None  # hybrid models: every group's blocks
 
     @property
     def end(self) -> int:
@@ -165,6 +168,7 @@ class StoreSpec:
     token_ids: list[int]
     block_ids: list[int]
     salt: list[list[int | str]] | None = None  # `KeySalt.to_wire` of the request's salt
+    group_block_ids: list[list[int]] | None = None  # hybrid models: every group's blocks
 
 
 @dataclasses.dataclass
@@ -247,7 +251,52 @@ class _RequestState:
     first_lookup: float | None = None  # time.monotonic() of the first unanswered lookup
 
 
-class TieredKVConnector(KVConnectorBase_V1):
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Group:
+    """One of vLLM's KV cache groups as the connector moves it."""
+
+    layer_names: tuple[str, ...]
+    sliding_window: int | None  # None: full attention
+
+
+def layer_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[_Group]:
+    """vLLM's KV cache groups (several under the hybrid allocator: sliding-window and full
+    attention layers apart). Raises `ConfigError` for a hybrid model whose groups are not
+    attention with vLLM's block size (Mamba state, another block size): not supported yet."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) <= 1:
+        return [_Group(tuple(groups[0].layer_names) if groups else (), None)]
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    out = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            window: int | None = int(spec.sliding_window)
+            if getattr(spec, "extra_retained_tokens", 0):
+                raise ConfigError(
+                    f"TieredKVConnector: KV cache group {index} retains "
+                    f"{spec.extra_retained_tokens} tokens beyond its sliding window "
+                    "(speculative decoding): not supported with the hybrid allocator yet"
+                )
+        elif type(spec) is FullAttentionSpec:
+            window = None
+        else:
+            raise ConfigError(
+                f"TieredKVConnector: KV cache group {index} is {type(spec).__name__}; with "
+                "vLLM's hybrid allocator only full and sliding-window attention groups are "
+                "supported (set disable_hybrid_kv_cache_manager=True where vLLM allows it)"
+            )
+        if int(spec.block_size) != block_size:
+            raise ConfigError(
+                f"TieredKVConnector: KV cache group {index} has block size {spec.block_size}, "
+                f"not vLLM's {block_size}: not supported yet"
+            )
+        out.append(_Group(tuple(group.layer_names), window))
+    return out
+
+
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by a tiered_kv engine per worker (see the module docstring)."""
 
     def __init__(
@@ -269,6 +318,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._is_consumer = bool(transfer.is_kv_consumer)
         self._instance_id = str(transfer.engine_id)
         self._socket_dir = self.options.lookup_socket_dir or default_socket_dir()
+        self._groups = layer_groups(kv_cache_config, self._block_size)
+        self._hybrid = len(self._groups) > 1
+        self._finished_recving: set[str] = set()  # hybrid: async loads done this step
+        self._failed_recving: set[str] = set()  # hybrid: ... and those that fell short
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._release: list[str] = []
@@ -328,15 +381,40 @@ class TieredKVConnector(KVConnectorBase_V1):
                 if memory_order is not None:
                     hints["kv_layout"] = memory_order
         rank = _tensor_parallel_rank()
-        host.register_kv_caches(
-            kv_caches,
-            model_name=self._model_name,
-            world_size=self._world_size,
-            worker_id=rank,
-            layout_hints=hints,
-        )
+        if self._hybrid:
+            for index, group in enumerate(self._groups):
+                missing = [name for name in group.layer_names if name not in kv_caches]
+                if missing:
+                    raise ConfigError(
+                        f"TieredKVConnector: layers {missing[:4]} of KV cache group {index} "
+                        "have no KV cache tensor"
+                    )
+                host.register_kv_caches(
+                    {name: kv_caches[name] for name in group.layer_names},
+                    model_name=self._group_model(index),
+                    world_size=self._world_size,
+                    worker_id=rank,
+                    layout_hints=hints,
+                    sliding_window=group.sliding_window,
+                    block_size=self._block_size,
+                )
+        else:
+            host.register_kv_caches(
+                kv_caches,
+                model_name=self._model_name,
+                world_size=self._world_size,
+                worker_id=rank,
+                layout_hints=hints,
+            )
         host.serve_lookups(socket_path(self._socket_dir, self._instance_id, rank))
         layerwise = self.engine_config.layerwise
+        if self._hybrid and layerwise:
+            raise ConfigError(
+                "TieredKVConnector: layerwise loads and stores of hybrid models (several KV "
+                "cache groups) are not supported yet; set layerwise to false"
+            )
+        if self._hybrid:
+            layerwise = False
         self._layerwise = first.device.type == "cuda" if layerwise is None else layerwise
         self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         logger.info(
@@ -357,6 +435,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._finish_loads()
         for spec in meta.loads:
             end = spec.end
+            if spec.group_block_ids is not None:
+                self._load_groups(host, spec)
+                continue
             try:
                 if self._layerwise:
                     # Decided now (late or failed chunks included); copies land per layer.
@@ -399,6 +480,79 @@ class TieredKVConnector(KVConnectorBase_V1):
         released = [spec.request_id for spec in meta.loads] + meta.release
         if released:
             host.release(released)
+
+    def _load_groups(self, host: EngineHost, spec: LoadSpec) -> None:
+        """A hybrid model's load (vLLM loads it asynchronously): every group's blocks, a
+        sliding-window group's only from its window before the claim's end. Done when this
+        returns; a group that falls short fails the whole load (`get_transfer_results`): vLLM
+        cannot take failed blocks from models with several groups, it recomputes the request."""
+        assert spec.group_block_ids is not None
+        end, salt = spec.end, KeySalt.from_wire(spec.salt)
+        short = False
+        for index, (group, block_ids) in enumerate(
+            zip(self._groups, spec.group_block_ids, strict=True)
+        ):
+            skip = spec.skip_prefix_tokens
+            if group.sliding_window is not None:
+                skip = max(skip, window_start(end, group.sliding_window, self._block_size))
+            try:
+                valid = host.load(
+                    spec.token_ids,
+                    block_ids,
+                    skip_prefix_tokens=skip,
+                    claimed_tokens=end,
+                    salt=salt,
+                    model_name=self._group_model(index),
+                ).valid_tokens
+            except Exception:  # the boundary with vLLM: a failed load is recomputed
+                self.failures += 1
+                logger.warning(
+                    "TieredKVConnector: load of %s failed", spec.request_id, exc_info=True
+                )
+                valid = skip
+            short = short or valid < end
+        self._finished_recving.add(spec.request_id)
+        if short:
+            self._failed_recving.add(spec.request_id)
+            self.load_error_blocks += -(-(end - spec.skip_prefix_tokens) // self._block_size)
+            logger.warning(
+                "TieredKVConnector: %s: the claimed %d tokens did not all load; vLLM "
+                "recomputes the request",
+                spec.request_id,
+                end - spec.skip_prefix_tokens,
+            )
+
+    def _store_groups(self, host: EngineHost, spec: StoreSpec) -> None:
+        """A hybrid model's store: every group's chunks, a sliding-window group's only those
+        vLLM reads again (the window before the stored end, or before one block less: a repeat
+        of the same prompt recomputes its last block) whose blocks it still holds."""
+        assert spec.group_block_ids is not None
+        chunk, block = self.engine_config.chunk_size, self._block_size
+        target = len(spec.token_ids)
+        salt = KeySalt.from_wire(spec.salt)
+        for index, (group, block_ids) in enumerate(
+            zip(self._groups, spec.group_block_ids, strict=True)
+        ):
+            skip = 0
+            if group.sliding_window is not None:
+                first = window_start(max(target - block, 0), group.sliding_window, block)
+                skip = first // chunk * chunk
+                dropped = [i for i, b in enumerate(block_ids[: -(-target // block)]) if b == 0]
+                if dropped:  # vLLM's null block (id 0): those blocks' KV is gone
+                    skip = max(skip, -(-(dropped[-1] + 1) * block // chunk) * chunk)
+                if skip >= target:
+                    continue
+            host.store(
+                spec.token_ids,
+                block_ids,
+                model_name=self._group_model(index),
+                salt=salt,
+                skip_prefix_tokens=skip,
+            )
+
+    def _group_model(self, index: int) -> str:
+        """The model name of a hybrid model's group ``index`` in chunk keys."""
+        return f"{self._model_name}#g{index}"
 
     def _begin_stores(self) -> None:
         """Layerwise: stage this step's stores, at the step's first `save_kv_layer` (vLLM may
@@ -469,6 +623,9 @@ class TieredKVConnector(KVConnectorBase_V1):
             return  # layerwise stores were committed above
         for spec in meta.stores:
             try:
+                if spec.group_block_ids is not None:
+                    self._store_groups(host, spec)
+                    continue
                 host.store(spec.token_ids, spec.block_ids, salt=KeySalt.from_wire(spec.salt))
             except Exception:  # a failed store is a future miss, never a failed request
                 self.failures += 1
@@ -491,7 +648,19 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if finished_req_ids and self._host is not None:
             self._host.release(finished_req_ids)
-        return None, None  # loads and stores are synchronous: nothing is ever in flight
+        # Stores are synchronous; a hybrid model's loads are reported done in the step that ran
+        # them (vLLM loads them asynchronously, so that a failed one can be recomputed).
+        recving, self._finished_recving = self._finished_recving, set()
+        return None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        failed, self._failed_recving = self._failed_recving, set()
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -563,7 +732,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         # prompt's last chunk was stored whole, and a key over fewer tokens would not match it.
         looked_up = request.num_tokens // block * block
         ready = self._client.lookup(
-            request.request_id, request.all_token_ids[:looked_up], state.salt
+            request.request_id, request.all_token_ids[:looked_up], state.salt, limit
         )
         stats = self._scheduler_stats
         if ready is None:
@@ -578,7 +747,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         if hit <= num_computed_tokens:
             return 0, False
         stats["claimed_tokens"] += hit - num_computed_tokens
-        return hit - num_computed_tokens, False
+        # Hybrid models load asynchronously: vLLM recomputes a failed load only then.
+        return hit - num_computed_tokens, self._hybrid
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -605,6 +775,9 @@ class TieredKVConnector(KVConnectorBase_V1):
                 return manager.get_block_ids(request_id)
             raise RuntimeError("TieredKVConnector: no way to resolve block ids")
 
+        for request_id, state in list(self._requests.items()):
+            if state.load_pending:  # scheduled now, or (hybrid) loading asynchronously
+                self._plan_load(meta, request_id, state, resolve)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan(meta, new.req_id, new.num_computed_tokens, scheduled[new.req_id], resolve)
@@ -625,31 +798,6 @@ class TieredKVConnector(KVConnectorBase_V1):
         if state is None:
             return
         block = self._block_size
-        block_ids: list[int] | None = None
-        if state.load_pending:
-            state.load_pending = False
-            block_ids = list(resolve(request_id)[0])
-            end = state.load_end
-            # Load through the end of the chunk holding the claim's last token (its stored key
-            # covers the whole chunk), as far as whole blocks vLLM already allocated reach.
-            chunk = self.engine_config.chunk_size
-            through = min(
-                -(-end // chunk) * chunk,
-                state.request.num_tokens // block * block,
-                len(block_ids) * block,
-            )
-            through = max(through, end)
-            meta.loads.append(
-                LoadSpec(
-                    request_id,
-                    list(state.request.all_token_ids[:through]),
-                    block_ids[: -(-through // block)],
-                    state.local_tokens,
-                    claimed_end=end,
-                    salt=_wire(state.salt),
-                )
-            )
-            state.stored_end = max(state.stored_end, through)  # already in the cache
         if not self._is_producer or not state.cacheable:
             return
         prompt_len = state.request.num_prompt_tokens
@@ -661,17 +809,52 @@ class TieredKVConnector(KVConnectorBase_V1):
             target = computed_after // chunk * chunk // block * block
         if target <= state.stored_end:
             return
-        if block_ids is None:
-            block_ids = list(resolve(request_id)[0])
+        groups = [list(ids) for ids in resolve(request_id)]
+        count = -(-target // block)
         meta.stores.append(
             StoreSpec(
                 request_id,
                 list(state.request.all_token_ids[:target]),
-                block_ids[: -(-target // block)],
+                groups[0][:count],
                 salt=_wire(state.salt),
+                group_block_ids=[ids[:count] for ids in groups] if self._hybrid else None,
             )
         )
         state.stored_end = target
+
+    def _plan_load(
+        self,
+        meta: TieredKVMetadata,
+        request_id: str,
+        state: _RequestState,
+        resolve: Callable[[str], Any],
+    ) -> None:
+        state.load_pending = False
+        block = self._block_size
+        groups = [list(ids) for ids in resolve(request_id)]
+        end = state.load_end
+        # Load through the end of the chunk holding the claim's last token (its stored key
+        # covers the whole chunk), as far as whole blocks vLLM already allocated reach.
+        chunk = self.engine_config.chunk_size
+        through = min(
+            -(-end // chunk) * chunk,
+            state.request.num_tokens // block * block,
+            min(len(ids) for ids in groups) * block,
+        )
+        through = max(through, end)
+        count = -(-through // block)
+        meta.loads.append(
+            LoadSpec(
+                request_id,
+                list(state.request.all_token_ids[:through]),
+                groups[0][:count],
+                state.local_tokens,
+                claimed_end=end,
+                salt=_wire(state.salt),
+                group_block_ids=[ids[:count] for ids in groups] if self._hybrid else None,
+            )
+        )
+        state.stored_end = max(state.stored_end, through)  # already in the cache
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -682,6 +865,11 @@ class TieredKVConnector(KVConnectorBase_V1):
         if self._is_consumer:
             self._release.append(request.request_id)
         return False, None  # stores are copied out before wait_for_save returns
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         return
