@@ -115,7 +115,8 @@ def main(spec_path: str, out_path: str) -> None:
         result["engine_stats"] = connector.engine_stats()
         result["metrics_text"] = connector.engine_metrics_text()
         result["failures"] = connector.failures
-    result["hma_disabled"] = llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    result["hma_disabled"] = scheduler_config.disable_hybrid_kv_cache_manager
     if not spec.get("multiprocess"):
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         result["kv_cache_groups"] = [
