@@ -143,6 +143,28 @@ async def test_salted_requests_share_chunks_only_under_the_same_salt() -> None:
             await engine.lookup(TOKENS, salt=b"a")  # type: ignore[arg-type]
 
 
+async def test_store_can_leave_out_a_prefix_and_prefetch_can_start_past_it() -> None:
+    """A sliding-window layer group's store leaves out the chunks before its window (their
+    blocks hold nothing any more): a prefix lookup misses, a prefetch from the window's chunk
+    finds the rest, and only whole chunks may be left out."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    async with TieredKVEngine(_config()) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        with pytest.raises(LayoutError, match="whole number >= 0 of chunks of 32"):
+            await engine.store(TOKENS, list(range(7)), skip_prefix_tokens=16)
+        assert await engine.store(TOKENS, list(range(7)), skip_prefix_tokens=64) == 36
+        assert await engine.lookup(TOKENS) == 0
+        handle = await engine.prefetch(TOKENS, from_token=70)
+        assert handle.first_chunk == 2
+        assert handle.ready_chunks() == [True, True]
+        assert handle.ready_tokens() == 36
+        handle.cancel()
+        whole = await engine.prefetch(TOKENS)
+        assert whole.ready_chunks() == [] and whole.ready_tokens() == 0
+        whole.cancel()
+        assert await engine.retrieve(TOKENS, list(range(8, 15)), skip_prefix_tokens=64) == 100
+
+
 async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, num_heads=8, head_size=128)
     # One 32-token chunk of 2 layers x 2 x 8 x 128 bf16 is 256 KiB; L1 holds 128 KiB.
