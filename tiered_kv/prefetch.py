@@ -10,7 +10,9 @@ rather than thrash. Loop-only, except `PrefetchHandle`'s finalizer, which hops t
 
 Reference ownership: a load holds the staging object's first reference until its read ends; each
 handle waiting for the chunk holds one more (its reservation), dropped by `take` (the caller now
-owns it), `cancel`, or when the handle is garbage-collected.
+owns it), `cancel`, or when the handle is garbage-collected. A handle may also pin chunks that
+were in L1 already (`pin_l1`: one reference each, so no eviction takes a claimed chunk before
+its retrieve), dropped by `unpin`, `cancel` or the collector likewise.
 """
 
 from __future__ import annotations
@@ -276,15 +278,24 @@ def _release_slots(controller: PrefetchController, slots: list[PrefetchSlot], ou
 
 
 def _finalize(
-    loop: asyncio.AbstractEventLoop, controller: PrefetchController, slots: list[PrefetchSlot]
+    loop: asyncio.AbstractEventLoop,
+    controller: PrefetchController,
+    slots: list[PrefetchSlot],
+    pins: list[MemoryObj],
 ) -> None:
-    """A handle was garbage-collected without being released: free its reservations on the loop
-    (the collector may run in any thread)."""
-    if not any(slot.held for slot in slots):
+    """A handle was garbage-collected without being released: free its reservations and pins
+    on the loop (the collector may run in any thread)."""
+    if not any(slot.held for slot in slots) and not pins:
         return
     # A closed loop raises RuntimeError: the engine is gone, and its arena with it.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(_release_slots, controller, slots, "cancelled")
+        loop.call_soon_threadsafe(_unpin, pins)
+
+
+def _unpin(pins: list[MemoryObj]) -> None:
+    while pins:
+        pins.pop().unref()
 
 
 class PrefetchHandle:
@@ -300,8 +311,9 @@ class PrefetchHandle:
         self.first_chunk = first_chunk
         self.released = False
         self.hit_tokens = sum(slot.num_tokens for slot in slots)
+        self._pins: list[MemoryObj] = []
         self._finalizer = weakref.finalize(
-            self, _finalize, asyncio.get_running_loop(), controller, slots
+            self, _finalize, asyncio.get_running_loop(), controller, slots, self._pins
         )
         self._finalizer.atexit = False
 
@@ -384,6 +396,36 @@ class PrefetchHandle:
         self.released = True
         self._finalizer.detach()
         _release_slots(self._controller, self._slots, outcome)
+        _unpin(self._pins)
+
+    def pin_l1(self, num_chunks: int, max_bytes: int) -> tuple[int, bool]:
+        """Hold a reference on each of the first ``num_chunks`` slots' chunks that sits in L1
+        without a load of this handle, so that no eviction takes it until `unpin`, `cancel` or
+        `release_unused`; stops before passing ``max_bytes``. Returns the bytes pinned now
+        (pinning again pins nothing twice) and whether every such chunk is pinned."""
+        if self.released:
+            return 0, False
+        l1 = self._controller.storage.l1
+        pinned = {id(obj) for obj in self._pins}
+        added = 0
+        for slot in self._slots[:num_chunks]:
+            if slot.load is not None and slot.held:
+                continue  # the reservation holds it already
+            obj = l1.peek(slot.key)
+            if obj is None or id(obj) in pinned:
+                continue
+            if added + obj.nbytes > max_bytes:
+                return added, False
+            self._pins.append(obj.ref())
+            added += obj.nbytes
+        return added, True
+
+    def pinned_bytes(self) -> int:
+        return sum(obj.nbytes for obj in self._pins)
+
+    def unpin(self) -> None:
+        """Drop the references `pin_l1` took (the reservations stay)."""
+        _unpin(self._pins)
 
     def release_unused(self) -> None:
         """After retrieve: drop what it did not take (late loads keep running into L1)."""

@@ -307,3 +307,74 @@ def test_scheduler_stats_count_lookups_latency_and_claims(
         assert scheduler.get_kv_connector_stats() is None
     finally:
         scheduler.shutdown()
+
+
+def test_claimed_chunks_stay_in_l1_until_loaded(make_config: Callable[..., Any]) -> None:
+    """Between the scheduler's claim and the worker's load, L1 is emptied of everything
+    unreferenced (the pressure other requests' stores would bring): the claimed chunks were
+    pinned by the answer, so the load delivers every claimed block bit for bit and reports
+    none as failed; the pins go with the load."""
+    from tiered_kv.integrations.vllm import LoadSpec, StoreSpec
+
+    config = make_config()
+    scheduler = _connector(config, "scheduler")
+    worker = _connector(config, "worker")
+    try:
+        caches = _caches(seed=9)
+        worker.register_kv_caches(caches)
+        tokens = _tokens(8, 160)
+        _run_step(worker, _meta(stores=[StoreSpec("writer", tokens[:128], [0, 1, 2, 3])]))
+        stored = {name: cache[0:4].clone() for name, cache in caches.items()}
+        assert _answer(scheduler, _request("claimed", tokens)) == 128
+        assert worker.engine_stats()["host"]["pinned_bytes"] > 0
+        assert worker._host.evict_l1() == 0  # nothing unreferenced: both chunks are pinned
+        _run_step(worker, _meta(loads=[LoadSpec("claimed", tokens[:128], [8, 9, 10, 11], 0)]))
+        assert worker.get_block_ids_with_load_errors() == set()
+        for name, cache in caches.items():
+            assert torch.equal(cache[8:12], stored[name])
+        host = worker.engine_stats()["host"]
+        assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (128, 0)
+        assert host["pinned_bytes"] == 0 and host["prefetches_held"] == 0
+        assert worker._host.evict_l1() > 0  # unpinned now: evictable again
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_pins_are_bounded_in_bytes_and_time(make_config: Callable[..., Any]) -> None:
+    """A budget of one chunk pins one of the two claimed chunks (counted as over budget); a
+    request that is never loaded loses its pins after ``pin_timeout_s`` (counted), and then
+    an eviction takes the chunks: a later load falls short and is reported, not wrong."""
+    config = make_config()
+    transfer = config.kv_transfer_config
+    directory = transfer.kv_connector_extra_config["lookup_socket_dir"]
+    host = EngineHost(
+        EngineConfig(chunk_size=CHUNK, l1_size="16MiB"),
+        pin_budget_bytes=64 * 1024,  # one chunk: 2 blocks x 2 layers x 16 KiB
+        pin_timeout_s=0.2,
+    )
+    try:
+        caches = _caches(seed=10)
+        host.register_kv_caches(
+            caches, model_name=MODEL, layout_hints={"format": "blocks", "block_size": BLOCK}
+        )
+        host.serve_lookups(socket_path(directory, transfer.engine_id, 0))
+        tokens = _tokens(9, 160)
+        assert host.store(tokens[:128], [0, 1, 2, 3]) == 128
+        scheduler = _connector(config, "scheduler")
+        try:
+            assert _answer(scheduler, _request("slow", tokens)) == 128
+            stats = host.stats()["host"]
+            assert (stats["pinned_bytes"], stats["pins_over_budget"]) == (64 * 1024, 1)
+            assert host.evict_l1() == 64 * 1024  # the unpinned chunk goes
+            time.sleep(0.3)
+            _answer(scheduler, _request("other", _tokens(10, 96)))  # a lookup sweeps pins
+            stats = host.stats()["host"]
+            assert (stats["pinned_bytes"], stats["pins_expired"]) == (0, 1)
+            assert host.evict_l1() == 64 * 1024
+        finally:
+            scheduler.shutdown()
+        result = host.load(tokens[:128], [8, 9, 10, 11], skip_prefix_tokens=0)
+        assert result.valid_tokens == 0
+    finally:
+        host.close()

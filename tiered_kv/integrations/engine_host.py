@@ -1,7 +1,9 @@
 """`EngineHost`: a `TieredKVEngine` on its own event-loop thread, for serving-stack workers.
 
 Owns the engine, its loop thread, the per-request prefetches that lookups start (keyed by the
-serving stack's request id, released when the request is loaded, finished or abandoned), and the
+serving stack's request id, released when the request is loaded, finished or abandoned; once a
+lookup has answered, the L1 chunks of its answer are pinned there until then, within a byte
+budget and a deadline, so that the claim holds), and the
 `LookupServer` that answers a scheduler in another thread or process. Blocking methods are for
 the worker's own threads; everything touching the engine or the prefetches runs on the loop.
 Must not import a serving stack or touch KV bytes itself (the engine's mover does).
@@ -37,6 +39,7 @@ class _Lookup:
     handles: list[PrefetchHandle]  # one per layer group, in registration order
     started: float
     deadline: float | None  # prefetch policy "timeout": answer with what is ready by then
+    pinned_at: float | None = None  # loop time the answer's L1 chunks were pinned
 
     def cancel(self) -> None:
         for handle in self.handles:
@@ -79,6 +82,8 @@ class HostCounters:
     stores: int = 0
     stored_tokens: int = 0
     prefetches_abandoned: int = 0
+    pins_expired: int = 0  # answers whose pins outlived ``pin_timeout_s`` (released)
+    pins_over_budget: int = 0  # answers not wholly pinned: ``pin_budget_bytes`` reached
 
 
 class EngineHost(SyncTieredKVEngine):
@@ -90,8 +95,23 @@ class EngineHost(SyncTieredKVEngine):
     lookup path runs on the loop. Prefetch handles never leave the loop.
     """
 
-    def __init__(self, config: EngineConfig, *, lower_tiers: Sequence[LowerTier] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        lower_tiers: Sequence[LowerTier] = (),
+        pin_budget_bytes: int | None = None,
+        pin_timeout_s: float = 60.0,
+    ) -> None:
+        """``pin_budget_bytes`` (default: a quarter of L1) bounds the L1 bytes that answered
+        lookups keep pinned until their loads; ``pin_timeout_s`` bounds how long (a request the
+        serving stack never loads nor ends)."""
+        if pin_timeout_s <= 0:
+            raise ValueError(f"pin_timeout_s: must be > 0, got {pin_timeout_s}")
         self.counters = HostCounters()
+        budget = config.l1_bytes // 4 if pin_budget_bytes is None else pin_budget_bytes
+        self.pin_budget_bytes = budget
+        self.pin_timeout_s = pin_timeout_s
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._server: LookupServer | None = None
         self._model_name: str | None = None
@@ -244,6 +264,7 @@ class EngineHost(SyncTieredKVEngine):
             out = self._engine.stats()
             out["host"] = dict(dataclasses.asdict(self.counters))
             out["host"]["prefetches_held"] = len(self._lookups)
+            out["host"]["pinned_bytes"] = self._pinned_bytes()
             return out
 
         return self._call(stats())
@@ -312,6 +333,7 @@ class EngineHost(SyncTieredKVEngine):
                 self.counters.prefetches_abandoned += 1
         self._lookups.move_to_end(request_id)
         self.counters.lookups += 1
+        self._expire_pins(loop.time())
         policy = self.config.prefetch_policy
         answer: int | None
         if (
@@ -324,11 +346,39 @@ class EngineHost(SyncTieredKVEngine):
             else:
                 answer = self._hybrid_ready(groups, lookup, len(token_ids), limit)
             self.counters.lookup_hit_tokens += answer
+            if answer > 0:
+                self._pin(lookup, answer, loop.time())
         else:
             answer = None
             self.counters.lookups_pending += 1
         self.counters.lookup_seconds += time.perf_counter() - clock
         return answer
+
+    def _pin(self, lookup: _Lookup, answer: int, now: float) -> None:
+        """Pin the L1 chunks of an answer (chunks the handles load are held by their
+        reservations already) within the budget left."""
+        room = self.pin_budget_bytes - self._pinned_bytes()
+        last_chunk = -(-answer // self.config.chunk_size)
+        complete = True
+        for handle in lookup.handles:
+            pinned, whole = handle.pin_l1(last_chunk - handle.first_chunk, max(room, 0))
+            room -= pinned
+            complete = complete and whole
+        if not complete:
+            self.counters.pins_over_budget += 1
+        if lookup.pinned_at is None:
+            lookup.pinned_at = now
+
+    def _pinned_bytes(self) -> int:
+        return sum(h.pinned_bytes() for lookup in self._lookups.values() for h in lookup.handles)
+
+    def _expire_pins(self, now: float) -> None:
+        for lookup in self._lookups.values():
+            if lookup.pinned_at is not None and now - lookup.pinned_at > self.pin_timeout_s:
+                for handle in lookup.handles:
+                    handle.unpin()
+                lookup.pinned_at = None
+                self.counters.pins_expired += 1
 
     async def _prefetch_groups(
         self,
