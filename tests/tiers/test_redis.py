@@ -226,3 +226,77 @@ async def test_more_concurrent_requests_than_connections_wait_for_one(
         assert [bytes(sink.payload[0]) for sink in sinks] == payloads
     finally:
         await connector.aclose()
+
+
+class _ThreadRecordingHasher:
+    """A FrameSink hasher that notes which threads hashed (that is, received) the payload."""
+
+    def __init__(self) -> None:
+        import xxhash
+
+        self._state = xxhash.xxh3_64()
+        self.threads: set[str] = set()
+
+    def update(self, data: object) -> None:
+        import threading
+
+        self.threads.add(threading.current_thread().name)
+        self._state.update(data)  # type: ignore[arg-type]
+
+
+def _one_frame(seed: int, size: int) -> tuple[object, list[memoryview], bytes]:
+    key = chunk_keys(KeyScope("t", "m", "", 1, 0, "x"), list(range(seed, seed + 16)), 16)[0]
+    payload = os.urandom(size)
+    frame = encode_chunk(key.to_bytes(), 16, [GroupSpec("uint8", (len(payload),))], [payload])
+    return key, frame, payload
+
+
+async def test_values_are_received_and_hashed_on_the_connectors_threads_not_the_loop(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    import threading
+
+    key, frame, payload = _one_frame(0, 1 << 20)
+    connector = RedisConnector(redis_url, key_prefix=key_prefix, max_connections=2)
+    await connector.open()
+    try:
+        await connector.put(key, frame, sum(len(part) for part in frame))  # type: ignore[arg-type]
+        hasher = _ThreadRecordingHasher()
+        sink = FrameSink(bytearray(len(frame[0])), [memoryview(bytearray(len(payload)))])
+        sink.hasher = hasher  # type: ignore[assignment]
+        assert await connector.get_into(key, sink) is FetchStatus.HIT  # type: ignore[arg-type]
+        assert bytes(sink.payload[0]) == payload
+        assert hasher.threads and threading.current_thread().name not in hasher.threads
+        assert all(name.startswith("tkv-redis") for name in hasher.threads)
+    finally:
+        await connector.aclose()
+
+
+async def test_a_cancelled_get_returns_only_after_its_thread_let_go_of_the_sink(
+    redis_url: str,  # noqa: F811
+    key_prefix: str,  # noqa: F811
+) -> None:
+    """The server pauses its clients; a get cancelled meanwhile waits for its command to end, so
+    the L1 buffer a cancelled load hands back is never written after the cancel returned."""
+    key, frame, payload = _one_frame(100, 4 << 20)
+    connector = RedisConnector(redis_url, key_prefix=key_prefix, max_connections=2)
+    admin = redis.asyncio.Redis.from_url(redis_url)
+    await connector.open()
+    try:
+        await connector.put(key, frame, sum(len(part) for part in frame))  # type: ignore[arg-type]
+        sink = FrameSink(bytearray(len(frame[0])), [memoryview(bytearray(len(payload)))])
+        await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
+        task = asyncio.create_task(connector.get_into(key, sink))  # type: ignore[arg-type]
+        await asyncio.sleep(0.15)
+        assert connector._threads.stats().busy == 1  # the GET waits on the paused server now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        written = bytes(sink.payload[0])  # were the cancel not to wait, the GET lands later
+        await asyncio.sleep(0.8)  # past the pause: nothing writes the sink any more
+        assert bytes(sink.payload[0]) == written
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+        await connector.aclose()

@@ -1,4 +1,4 @@
-"""`RedisConnector`: chunk frames in Redis or Valkey (single node or Cluster) via redis.asyncio.
+"""`RedisConnector`: chunk frames in Redis or Valkey (single node or Cluster) via redis-py.
 
 Owns the redis-py client, key naming and TTLs. A value is one whole codec frame (header with
 checksums, then payload). Names are ``<prefix>:<namespace>:<key hex>``: the prefix separates
@@ -7,31 +7,39 @@ chunk hash is seeded by its whole scope (model, fingerprint, worker, layout), so
 shards never collide; the frame's key bytes are still compared on every read. Percent-encoding
 keeps ``{`` and ``}`` out of names, so no hash tag pins a tenant to one Cluster slot.
 
-Batches go out as one non-transactional pipeline: a single round trip on one node, one per node
-holding any of the keys in Cluster mode (no MULTI, so cross-slot keys are fine). Concurrent
-requests (the chunks of a load) spread over the client's pool of ``max_connections``: on a
-single node a blocking pool, so requests beyond it wait for a connection rather than fail; in
-Cluster mode redis-py's pool per node.
+Threads: every call runs on the connector's own `BlockingPool` (as many threads as
+``max_connections``) with redis-py's blocking client, so the bytes of a value are received,
+parsed, copied into L1 and hashed on those threads, several chunks at once, never on the event
+loop. Batches go out as one non-transactional pipeline: a single round trip on one node, one
+per node holding any of the keys in Cluster mode (no MULTI, so cross-slot keys are fine). On a
+single node the connection pool blocks: a request beyond it waits for a connection (within the
+timeout) rather than failing; in Cluster mode redis-py keeps a pool per node.
 
 Copies: redis-py needs a value as one argument, so `put` joins header and payload into one
 buffer (one memcpy per chunk), and `get_into` copies the reply into the L1 buffers, hashing each
-piece as it lands. The built-in ``tkv://`` server avoids both.
+piece as it lands. The built-in ``tkv://`` server avoids both. A cancelled call waits for its
+thread's command to end (bounded by ``timeout_s``, the socket timeout) before it returns, so
+an L1 buffer handed back by a cancelled load is never written afterwards.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
+import threading
 import urllib.parse
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-import redis.asyncio
-import redis.asyncio.cluster
+import redis
+import redis.cluster
 
 from tiered_kv.config import L3_SCHEMES, parse_l3_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
+from tiered_kv.threads import BlockingPool
 from tiered_kv.tiers.remote.connector import BytesLike, FetchStatus, FrameSink, RemoteConnector
+
+_T = TypeVar("_T")
 
 
 def redis_key_name(prefix: str, key: ChunkKey) -> str:
@@ -89,7 +97,8 @@ class RedisConnector(RemoteConnector):
         if password is not None and parts.password is None:
             self._kwargs["password"] = password
         self._client: Any = None
-        self._init_lock = asyncio.Lock()
+        self._client_lock = threading.Lock()  # one cluster client, built by the first caller
+        self._threads = BlockingPool("tkv-redis", max_connections)
 
     @property
     def connections(self) -> int:
@@ -99,61 +108,60 @@ class RedisConnector(RemoteConnector):
         return redis_key_name(self.key_prefix, key)
 
     async def open(self) -> None:
-        if self.cluster:
-            # Cluster discovery needs a live node; defer it to the first request so a store
-            # that is down at start-up costs misses, not a failed engine start.
-            self._client = None
-        else:
-            # A blocking pool: requests beyond max_connections wait for a connection (within
-            # the tier's timeout) instead of failing with "Too many connections".
-            pool = redis.asyncio.BlockingConnectionPool.from_url(
+        if not self.cluster:
+            # Connects lazily. A blocking pool: requests beyond max_connections wait for a
+            # connection (within the timeout) instead of failing with "Too many connections".
+            pool = redis.BlockingConnectionPool.from_url(
                 self._url, timeout=self._timeout_s, **self._kwargs
             )
-            self._client = redis.asyncio.Redis.from_pool(pool)
+            self._client = redis.Redis.from_pool(pool)  # closing the client closes the pool
+        # Cluster discovery needs a live node: the first request does it (`_redis`), so a store
+        # that is down at start-up costs misses, not a failed engine start.
 
-    async def _redis(self) -> Any:
-        if self._client is not None:
-            return self._client
-        # Concurrent first requests must share one cluster client, not each build (and leak)
-        # their own.
-        async with self._init_lock:
+    async def _run(self, call: Callable[[Any], _T]) -> _T:
+        """``call(client)`` on one of the connector's threads."""
+        return await self._threads.run(lambda: call(self._redis()))
+
+    def _redis(self) -> Any:
+        """The client (a thread's view); builds the cluster client on first use."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._client_lock:
             if self._client is None:
-                client = redis.asyncio.cluster.RedisCluster.from_url(self._url, **self._kwargs)
-                try:
-                    await client.initialize()
-                except BaseException:
-                    await client.aclose()
-                    raise
-                self._client = client
-        return self._client
+                self._client = redis.cluster.RedisCluster.from_url(self._url, **self._kwargs)
+            return self._client
 
-    async def _per_key(self, command: str, keys: Sequence[ChunkKey]) -> list[bool]:
+    def _per_key(self, command: str, keys: Sequence[ChunkKey], client: Any) -> list[bool]:
         """``command`` (EXISTS, DEL) for each key in one pipeline; whether each answered > 0."""
-        if not keys:
-            return []
-        client = await self._redis()
         pipe = client.pipeline(transaction=False)
         for key in keys:
             getattr(pipe, command)(self.name(key))
-        return [bool(result) for result in await pipe.execute()]
+        return [bool(result) for result in pipe.execute()]
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return await self._per_key("exists", keys)
+        if not keys:
+            return []
+        return await self._run(functools.partial(self._per_key, "exists", keys))
 
     async def put(self, key: ChunkKey, frame: Sequence[BytesLike], frame_len: int) -> None:
-        value = bytearray(frame_len)
-        view = memoryview(value)
-        position = 0
-        for part in frame:
-            size = len(part)
-            view[position : position + size] = part
-            position += size
-        client = await self._redis()
-        await client.set(self.name(key), view, px=self.ttl_ms)
+        def put(client: Any) -> None:
+            value = bytearray(frame_len)
+            view = memoryview(value)
+            position = 0
+            for part in frame:
+                size = len(part)
+                view[position : position + size] = part
+                position += size
+            client.set(self.name(key), view, px=self.ttl_ms)
+
+        await self._run(put)
 
     async def get_into(self, key: ChunkKey, sink: FrameSink) -> FetchStatus:
-        client = await self._redis()
-        value = await client.get(self.name(key))
+        return await self._run(functools.partial(self._get_into, key, sink))
+
+    def _get_into(self, key: ChunkKey, sink: FrameSink, client: Any) -> FetchStatus:
+        value = client.get(self.name(key))
         if value is None:
             return FetchStatus.MISSING
         if len(value) != sink.total_len:
@@ -170,11 +178,12 @@ class RedisConnector(RemoteConnector):
         return FetchStatus.HIT
 
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return await self._per_key("delete", keys)
+        if not keys:
+            return []
+        return await self._run(functools.partial(self._per_key, "delete", keys))
 
     async def remote_stats(self) -> dict[str, int | float]:
-        client = await self._redis()
-        info = await client.info("memory")
+        info = await self._run(lambda client: client.info("memory"))
         if self.cluster:  # one dict per node: sum what is numeric
             totals: dict[str, int | float] = {}
             for node_info in info.values():
@@ -185,6 +194,7 @@ class RedisConnector(RemoteConnector):
         return {k: v for k, v in info.items() if isinstance(v, int | float)}
 
     async def aclose(self) -> None:
+        await self._threads.aclose()
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            client.close()
