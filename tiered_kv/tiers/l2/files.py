@@ -31,18 +31,10 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 TEMP_SUFFIX = ".tmp"
 HEX_DIGITS = frozenset("0123456789abcdef")
-# Reads move the payload in slices of up to 64 MiB (a whole group buffer in one call, in practice),
-# each hashed after it lands. Every return from a system call or the hash retakes the GIL, and a
-# Python thread busy beside the readers (the model's launch thread) holds it for up to the switch
-# interval (5 ms) each time: on the H100 host (16 cores, tools/diagnostics/l2_read_paths.py),
-# 16 threads read and hashed page-cached 32 MiB files at 1.0 GB/s in 1 MiB slices with one busy
-# Python thread beside them, 10.2 GB/s in whole-buffer slices; alone, 30.7 against 25.4. The
-# engine's own prefetch of 64 chunks by 16 threads: 24.8 GB/s in 1 MiB slices, 27.7 in whole
-# buffers (fewer handoffs among the readers themselves); bench/ttft.py's 32k-token L2 warm load
-# went from 257 to 213 ms.
-# Writes hash each group just before writing it (the kernel's copy then reads it from cache) and
-# write it in one call: on the benchmark VM, files written in 1 MiB (4 MiB) calls mostly read
-# back from disk up to 4x (2x) slower than files written in one call.
+# Reads take a whole group buffer per call (up to 64 MiB), then hash it: every return retakes the
+# GIL, so fewer returns keep reads fast beside busy Python threads (docs/benchmarks.md, "L2 warm").
+# Writes hash each group just before writing it and write it in one call (files written in
+# pieces read back slower; same page).
 READ_SLICE_BYTES = 64 << 20
 # Errors of a full filesystem or quota: evict and write again instead of failing every put.
 NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))

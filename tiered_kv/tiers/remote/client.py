@@ -79,11 +79,8 @@ _PIPELINE_BYTES = 64 << 10
 # Requests sent and not yet answered on one connection, at most.
 _MAX_IN_FLIGHT = 256
 _DISCARD_BYTES = 1 << 20
-# Payload is received in pieces of this size at most (MSG_WAITALL: one system call each), each
-# hashed while it is still in cache. Unlike L2 reads (tiered_kv/tiers/l2/files.py), small pieces
-# win here: while a thread hashes, its socket's buffer keeps filling, and a whole 32 MiB chunk's
-# hash would stall the sender. H100 host, 64 chunks of 32 MiB prefetched from `tiered-kv serve`
-# over 8 loopback streams: 12.9-13.4 GB/s in 1 MiB pieces, 11.4-12.7 in 4, 16 or 64 MiB.
+# Payload is received in 1 MiB pieces (MSG_WAITALL), each hashed while in cache: the socket
+# keeps filling meanwhile, where a whole chunk's hash would stall the sender (docs/benchmarks.md).
 _RECEIVE_PIECE = 1 << 20
 
 
