@@ -59,7 +59,8 @@ def _serve(model: pathlib.Path, log: pathlib.Path, connector: dict[str, Any]) ->
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if server.poll() is not None:
-                pytest.fail(f"vllm serve exited with {server.returncode}:\n{log.read_text()[-6000:]}")
+                tail = log.read_text()[-6000:]
+                pytest.fail(f"vllm serve exited with {server.returncode}:\n{tail}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
                     if reply.status == 200:
