@@ -1,9 +1,8 @@
 """`RemoteCacheServer`: the built-in remote cache behind ``tkv://`` (``tiered-kv serve``).
 
-Owns an in-memory, capacity-bounded LRU map of key bytes → chunk frame, the listening socket,
-its connections and their authentication. Stored frames are the codec frames clients send,
-kept as received (a few `bytearray` segments per chunk, each filled by ``recv_into`` as the
-data arrived) and sent back with ``sendmsg`` of `memoryview`s of them, so no payload byte is
+Owns the listening socket, its connections and their authentication, over one `FrameStore`
+(`tiered_kv.tiers.remote.store`: the capacity-bounded LRU map of key bytes → chunk frame).
+Frames are sent back with ``sendmsg`` of `memoryview`s of their segments, so no payload byte is
 touched by Python code. The server checks each frame's header (key, lengths) but not the
 payload checksum: readers verify it on every GET.
 
@@ -23,7 +22,6 @@ refused).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import hmac
@@ -39,7 +37,7 @@ import time
 import typing
 
 from tiered_kv.codec import DEFAULT_LIMITS as CODEC_LIMITS
-from tiered_kv.codec import PREFIX_LEN, ChunkHeader, CodecLimits, decode_header, header_length
+from tiered_kv.codec import CodecLimits
 from tiered_kv.errors import CodecError, ConfigError, ProtocolError
 from tiered_kv.tiers.remote.net import resolve, send_all
 from tiered_kv.tiers.remote.protocol import (
@@ -58,6 +56,7 @@ from tiered_kv.tiers.remote.protocol import (
     encode_error,
     pack_frame_header,
 )
+from tiered_kv.tiers.remote.store import FrameStore, PutSink, decode_frame_header
 
 logger = logging.getLogger(__name__)
 
@@ -136,251 +135,8 @@ class ServerOptions:
             )
 
 
-_FIRST_SEGMENT = 64 << 10
 _DISCARD_BYTES = 64 << 10
 _RECEIVE_PIECE = 1 << 20  # a PUT's data is received in pieces of this size (MSG_WAITALL)
-
-
-class _Frame:
-    """A stored chunk frame: its segments in order, each filled by ``recv_into`` as it arrived.
-
-    Byte access (`bytes`, indexing) is for inspection and fault injection, not the data path.
-    """
-
-    __slots__ = ("segments", "nbytes")
-
-    def __init__(self, segments: tuple[bytearray, ...]) -> None:
-        self.segments = segments
-        self.nbytes = sum(len(segment) for segment in segments)
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __bytes__(self) -> bytes:
-        return b"".join(self.segments)
-
-    def _locate(self, index: int) -> tuple[bytearray, int]:
-        position = index + self.nbytes if index < 0 else index
-        if 0 <= position < self.nbytes:
-            for segment in self.segments:
-                if position < len(segment):
-                    return segment, position
-                position -= len(segment)
-        raise IndexError(f"frame index {index} out of range for {self.nbytes} bytes")
-
-    def __getitem__(self, index: int) -> int:
-        segment, offset = self._locate(index)
-        return segment[offset]
-
-    def __setitem__(self, index: int, value: int) -> None:
-        segment, offset = self._locate(index)
-        segment[offset] = value
-
-
-def _unshared(segment: bytearray) -> bool:
-    """Whether only its frame holds ``segment`` (no transport still sending a view of it).
-
-    For a caller iterating over ``frame.segments``, CPython counts: the frame's tuple, the
-    caller's loop variable, this parameter and getrefcount's own argument.
-    """
-    return sys.getrefcount(segment) <= 4
-
-
-class _Store:
-    """The LRU map and its byte accounting: stored frames, recycled segments and bytes reserved
-    by PUTs in flight, all within ``capacity``. Every method takes ``lock`` (connections'
-    threads call them at once); ``entries`` itself is for inspection under that lock.
-
-    A PUT asks for its segments one by one as its data arrives (see `_PutSink`), so frames are
-    evicted for bytes a client sent, never for a length it claims. Segments of freed frames are
-    recycled (a fresh 32 MiB buffer costs more in page faults than receiving 32 MiB over
-    loopback), evicted ones included as far as the room they leave is not needed at once; a
-    PUT of a size seen before then finds every segment it needs in the pool. A segment is
-    recycled only when no connection still holds a view of it: `get_views` makes the views
-    under the lock, so the reference count `_unshared` reads is never stale in the unsafe way.
-    """
-
-    def __init__(self, capacity: int, counters: dict[str, int], lock: threading.Lock) -> None:
-        self.capacity = capacity
-        self.entries: collections.OrderedDict[bytes, _Frame] = collections.OrderedDict()
-        self.used = 0
-        self.reserved = 0
-        self.pooled = 0
-        self.pool_limit = capacity // 4
-        self.lock = lock
-        self._pool: dict[int, list[bytearray]] = {}
-        self._counters = counters
-
-    def allocate(self, nbytes: int) -> bytearray | None:
-        """A segment of ``nbytes`` for a PUT in flight, its room reserved: a pooled one, else
-        room made by dropping pooled segments (largest first: the most room per drop), then
-        evicting LRU frames, whose segments are pooled as far as they fit (one of them may be
-        the answer); None when PUTs in flight already hold that room."""
-        with self.lock:
-            segment = self._take_pooled(nbytes)
-            if segment is not None:
-                self.reserved += nbytes
-                return segment
-            if self.reserved + nbytes > self.capacity:
-                return None
-            evicted = []
-            while self.used + self.pooled + self.reserved + nbytes > self.capacity:
-                if self.pooled:
-                    self._drop_pooled()
-                    continue
-                # Not empty: here used > capacity - reserved - nbytes >= 0.
-                _, frame = self.entries.popitem(last=False)
-                self.used -= frame.nbytes
-                self._counters["evictions"] += 1
-                evicted.append(frame)
-            self.reserved += nbytes
-            for frame in evicted:
-                self._recycle(frame)
-            segment = self._take_pooled(nbytes)
-        return bytearray(nbytes) if segment is None else segment
-
-    def _take_pooled(self, nbytes: int) -> bytearray | None:
-        segments = self._pool.get(nbytes)
-        if not segments:
-            return None
-        self.pooled -= nbytes
-        return segments.pop()
-
-    def _drop_pooled(self) -> None:
-        size = max(size for size, segments in self._pool.items() if segments)
-        self._pool[size].pop()
-        self.pooled -= size
-
-    def _recycle(self, frame: _Frame) -> None:
-        """Pool the segments of a frame no longer stored, as far as they fit (largest first:
-        the small ones are the cheapest to allocate again)."""
-        for segment in reversed(frame.segments):
-            size = len(segment)
-            if (
-                self.pooled + size <= self.pool_limit
-                and self.used + self.pooled + self.reserved + size <= self.capacity
-                and _unshared(segment)
-            ):
-                self._pool.setdefault(size, []).append(segment)
-                self.pooled += size
-
-    def release(self, nbytes: int) -> None:
-        with self.lock:
-            self.reserved -= nbytes
-
-    def insert(self, key: bytes, frame: _Frame) -> None:
-        with self.lock:
-            old = self.entries.pop(key, None)
-            self.entries[key] = frame
-            self.used += frame.nbytes
-            if old is not None:
-                self.used -= old.nbytes
-                self._recycle(old)
-
-    def get_views(self, key: bytes) -> list[memoryview] | None:
-        """Views of ``key``'s segments, to send; its segments stay out of the pool while any
-        of these views lives."""
-        with self.lock:
-            frame = self.entries.get(key)
-            if frame is None:
-                return None
-            self.entries.move_to_end(key)
-            return [memoryview(segment) for segment in frame.segments]
-
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        with self.lock:
-            return [key in self.entries for key in keys]
-
-    def delete(self, key: bytes) -> bool:
-        with self.lock:
-            frame = self.entries.pop(key, None)
-            if frame is None:
-                return False
-            self.used -= frame.nbytes
-            self._recycle(frame)
-            return True
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-            self._pool.clear()
-            self.used = self.pooled = 0
-
-
-class _PutSink:
-    """Where a PUT's data lands: segments added, with the room they reserve, as bytes arrive.
-
-    A header alone reserves and allocates nothing; the first segment is 64 KiB and each next
-    one as large as all before it, so a client that claims more than it sends holds memory, and
-    evicts frames, in proportion to what it sent, and no byte is ever copied to grow a buffer.
-    When the store has no room left the PUT is refused: its segments and reservation are given
-    back and the rest of its data lands in a shared scratch buffer, dropped.
-    """
-
-    __slots__ = ("size", "segments", "filled", "reserved", "refusal", "_store", "_discard")
-
-    def __init__(self, store: _Store, size: int, discard: memoryview) -> None:
-        self._store = store
-        self._discard = discard
-        self.size = size
-        self.segments: list[bytearray] = []
-        self.filled = 0  # bytes received
-        self.reserved = 0  # bytes of the segments so far
-        self.refusal: str | None = None
-
-    def target(self) -> memoryview:
-        if self.filled == self.reserved and self.refusal is None:
-            self._add_segment()
-        if self.refusal is not None:
-            return self._discard[: self.size - self.filled]
-        last = self.segments[-1]
-        return memoryview(last)[len(last) - (self.reserved - self.filled) :]
-
-    def advance(self, nbytes: int) -> None:
-        self.filled += nbytes
-
-    def _add_segment(self) -> None:
-        nbytes = min(self.size - self.reserved, max(self.reserved, _FIRST_SEGMENT))
-        store = self._store
-        segment = store.allocate(nbytes)
-        if segment is None:
-            self.refusal = (
-                f"{self.size} bytes do not fit: capacity {store.capacity}, "
-                f"{store.reserved} reserved by PUTs in flight"
-            )
-            self.release()
-            return
-        self.segments.append(segment)
-        self.reserved += nbytes
-
-    def take(self) -> _Frame:
-        """The whole frame, its reservation given back for the caller to store it."""
-        frame = _Frame(tuple(self.segments))
-        self.release()
-        return frame
-
-    def release(self) -> None:
-        """Give back the reservation and the segments (the PUT is done, refused or abandoned)."""
-        self._store.release(self.reserved)
-        self.reserved = 0
-        self.segments = []
-
-
-def _decode_frame_header(frame: _Frame, limits: CodecLimits) -> ChunkHeader:
-    """The chunk header at the start of ``frame``; copied out only if it spans segments (with
-    codec limits that allow headers longer than the first segment)."""
-    first = memoryview(frame.segments[0])
-    if len(frame.segments) > 1 and len(first) >= PREFIX_LEN:
-        header_len = header_length(first[:PREFIX_LEN], limits)
-        if header_len > len(first):
-            parts, missing = [], header_len
-            for segment in frame.segments:
-                parts.append(bytes(segment[:missing]))
-                missing -= len(parts[-1])
-                if not missing:
-                    break
-            return decode_header(b"".join(parts), limits)
-    return decode_header(first, limits)
 
 
 class _Gone(Exception):
@@ -408,7 +164,7 @@ class _Connection:
         )
         self.authenticated = server.options.token is None
         # A PUT's key and where its data lands while that streams in.
-        self._put: tuple[bytes, _PutSink] | None = None
+        self._put: tuple[bytes, PutSink] | None = None
         self._refusal: tuple[ErrorCode, str] | None = None
         now = time.monotonic()
         self._connected_at = now
@@ -572,7 +328,7 @@ class _Connection:
                 f"{size} bytes do not fit: capacity {store.capacity}",
             )
             return None
-        sink = _PutSink(store, size, server._discard)
+        sink = PutSink(store, size, server._discard)
         self._put = (meta, sink)
         return sink
 
@@ -649,7 +405,7 @@ class _Connection:
         size = sink.size
         frame = sink.take()
         try:
-            chunk = _decode_frame_header(frame, self.server.options.codec_limits)
+            chunk = decode_frame_header(frame, self.server.options.codec_limits)
         except CodecError as exc:
             raise ProtocolError(f"PUT data is not a chunk frame: {exc}") from None
         if chunk.total_len != size:
@@ -738,7 +494,7 @@ class RemoteCacheServer:
         # Guards the store, the counters, the connection set and the buffer accounting.
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._store = _Store(self.options.capacity, self._counters, self._lock)
+        self._store = FrameStore(self.options.capacity, self._counters, self._lock)
         self._connections: set[_Connection] = set()
         self._receive_buffer_bytes = 0
         # Where the data of refused PUTs goes, unread: shared, as nobody reads it.
