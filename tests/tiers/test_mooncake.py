@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.kvfactory import make_caches, poison_blocks
+from tests.kvfactory import expect_copy, make_caches, poison_blocks
 from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, stop_process  # noqa: F401
 from tests.remote_fixtures import (
     BLOCK,
@@ -329,24 +329,32 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
         # refused at once instead of queueing behind it: no pile-up of stuck threads.
         assert stats["timeouts"] >= 1
         assert stats["client_threads"] <= 4
-        # A restarted master (on the same ports) knows no keys; this engine's segment is
-        # mounted again and new stores land and read back.
+        # A restarted master (on the same ports) knows no keys; the client reconnects (a
+        # call on a connection to the old master may still fail once: a miss) and remounts
+        # this engine's segment, and new stores land and read back bit-exact from L3.
         mooncake_master.start()
         deadline = time.monotonic() + 60
         seed = 40
+        fresh_dst = list(range(12, 16))
         while True:
             fresh = tokens_for(2 * CHUNK, seed=seed)
             await engine.evict_l1()
-            failures = engine.stats()["l3"]["put_failures"]
             assert await engine.store(fresh, src[:4]) == len(fresh)
             assert await engine.flush(timeout=30) == 0
-            if engine.stats()["l3"]["put_failures"] == failures:
+            await engine.evict_l1()
+            poison_blocks(caches, fresh_dst)
+            before = caches.snapshot()
+            loaded = await engine.retrieve(fresh, fresh_dst)
+            if loaded == len(fresh):
                 break
+            assert loaded == 0, loaded  # a prefix of misses, never part of a chunk
             assert time.monotonic() < deadline, engine.stats()["l3"]
             await asyncio.sleep(0.5)
             seed += 1
-        await engine.evict_l1()
-        await retrieve_bit_exact(engine, caches, fresh, src[:4])
+        expected = [[tensor.clone() for tensor in layer] for layer in before]
+        expect_copy(caches, expected, before, src[:4], fresh_dst, range(len(fresh)), BLOCK)
+        assert caches.bytes_equal(expected)  # the stored rows, and nothing else, were written
+        assert engine.stats()["l3"]["corrupt"] == 0
 
 
 def test_mooncake_urls_are_checked_with_clear_errors() -> None:
