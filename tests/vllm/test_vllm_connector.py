@@ -40,7 +40,7 @@ def _prompt(seed: int, length: int) -> list[int]:
 P1 = _prompt(1, 96)  # block-aligned: 3 blocks, chunks [0, 64) and [64, 96)
 P2 = _prompt(2, 100)  # not block-aligned: 96 tokens of whole blocks are cached
 P1_HEAD = P1[:40]  # vLLM's own prefix cache keeps its first block (32 tokens)
-EXTENDED = P1 + _prompt(3, 60)  # extends P1: 32 tokens from vLLM, 32 from tiered_kv
+EXTENDED = P1 + _prompt(3, 60)  # extends P1: 32 tokens from vLLM, 64 from tiered_kv
 CHUNKED = _prompt(4, 200)  # prefilled in steps of 64 tokens
 SHARED = _prompt(5, 160)  # chunks [0, 64), [64, 128), [128, 160)
 AFTER_KILL = _prompt(6, 96)
@@ -174,17 +174,19 @@ def test_fresh_process_hits_l2_same_output(
 ) -> None:
     """Cold store (multi-process run), then a fresh process on the same L2 directory: the
     non-aligned prompt hits its whole blocks, a prompt extending a cached one takes vLLM's own
-    first block and tiered_kv's second, and greedy output never changes."""
+    first block and tiered_kv's next two (the second from a partial chunk), and greedy output
+    never changes."""
     prompts = [P2, P1_HEAD, EXTENDED]
     out = run_vllm(model_dir, workdir, "warm", _single(prompts), connector=_connector(cold_l2))
     assert _outputs(out) == [baseline[tuple(p)] for p in prompts]
     # P2: 100 tokens, 96 in whole blocks, of which vLLM must compute the last block itself
     # ((100 - 1) // 32 * 32 = 96 claimable: all three blocks come from L2).
     # EXTENDED: vLLM's prefix cache holds block 0 (from P1_HEAD); tiered_kv's chunk [0, 64)
-    # matches, chunk [64, 128) does not (P1's second chunk was partial): 64 tokens cached.
-    assert _cached(out) == [96, 0, 64]
+    # matches, and P1's partial chunk [64, 96) extends it: 96 tokens cached.
+    assert _cached(out) == [96, 0, 96]
     host = out["engine_stats"]["host"]
-    assert host["loaded_tokens"] == 96 + 32  # EXTENDED: only the block vLLM lacked
+    assert host["loaded_tokens"] == 96 + 64  # EXTENDED: only the blocks vLLM lacked
+    assert host["partial_chunk_hits"] == 1
     assert host["load_shortfall_tokens"] == 0
     assert out["engine_stats"]["storage"]["hits_l2"] >= 2
     assert out["failures"] == 0

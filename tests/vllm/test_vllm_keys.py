@@ -236,3 +236,25 @@ def test_request_salt_follows_vllms_request_fields(tmp_path: pathlib.Path) -> No
     assert request_salt(request(lora_request=missing), digests) == (False, None)
     embeds = request(prompt_embeds=object())
     assert request_salt(embeds, digests) == (False, None)
+
+
+def test_a_follow_up_turn_reuses_the_stored_partial_last_chunk(
+    model_dir: pathlib.Path, workdir: pathlib.Path
+) -> None:
+    """A two-turn chat (vLLM's prefix cache off: only tiered_kv can supply the repeat): turn 1
+    has 100 tokens, stored as the chunk [0, 64) and the partial chunk [64, 96); turn 2 extends
+    it (the assistant's reply and a new user message) and loads both, 96 tokens rather than the
+    64 of whole chunks, with the same output as without the connector."""
+    turn1 = _prompt(5, 100)
+    turn2 = turn1 + _prompt(6, 20) + _prompt(7, 50)
+    batches = [[turn1], [turn2]]
+    connector = {"chunk_size": CHUNK, "l1_size": "64MiB"}
+    served = run_vllm(
+        model_dir, workdir, "two-turns", batches, connector=connector, enable_prefix_caching=False
+    )
+    plain = run_vllm(model_dir, workdir, "two-turns-plain", batches, connector=None)
+    assert _outputs(served) == _outputs(plain)
+    assert _cached(served) == [0, 96]
+    host = served["engine_stats"]["host"]
+    assert host["partial_chunk_hits"] >= 1
+    assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (96, 0)

@@ -84,6 +84,7 @@ class HostCounters:
     prefetches_abandoned: int = 0
     pins_expired: int = 0  # answers whose pins outlived ``pin_timeout_s`` (released)
     pins_over_budget: int = 0  # answers not wholly pinned: ``pin_budget_bytes`` reached
+    partial_chunk_hits: int = 0  # lookups extended by a stored partial chunk
 
 
 class EngineHost(SyncTieredKVEngine):
@@ -390,6 +391,8 @@ class EngineHost(SyncTieredKVEngine):
         """One prefetch per group: full-attention groups from the start; sliding-window groups
         over the window before the longest prefix every full group has located (shorter
         answers whose window starts earlier are misses there)."""
+        if len(groups) == 1:
+            return [await self._prefetch_with_partial(groups[0].model_name, token_ids, salt)]
         handles: dict[str, PrefetchHandle] = {}
         located = len(token_ids) if limit is None else min(limit, len(token_ids))
         for group in groups:
@@ -408,6 +411,27 @@ class EngineHost(SyncTieredKVEngine):
                     token_ids, model_name=group.model_name, salt=salt, from_token=start
                 )
         return [handles[group.model_name] for group in groups]
+
+    async def _prefetch_with_partial(
+        self, model_name: str, token_ids: list[int], salt: KeySalt | None
+    ) -> PrefetchHandle:
+        """The prefetch of the cached prefix, extended into the first chunk it misses by the
+        longest stored partial chunk there (a prompt stored with a partial last chunk, which a
+        longer follow-up extends): its key is that of the prefix cut at a whole block."""
+        handle = await self._engine.prefetch(token_ids, model_name=model_name, salt=salt)
+        hit, chunk, block = handle.hit_tokens, self.config.chunk_size, max(self._block_size, 1)
+        if hit >= len(token_ids) or hit % chunk:
+            return handle
+        for length in range(min(chunk - block, len(token_ids) - hit) // block * block, 0, -block):
+            partial = await self._engine.prefetch(
+                token_ids[: hit + length], model_name=model_name, salt=salt
+            )
+            if partial.hit_tokens == hit + length:
+                handle.cancel()
+                self.counters.partial_chunk_hits += 1
+                return partial
+            partial.cancel()
+        return handle
 
     def _hybrid_ready(
         self, groups: list[LayerGroup], lookup: _Lookup, num_tokens: int, limit: int | None

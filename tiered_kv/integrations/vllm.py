@@ -246,6 +246,7 @@ class _RequestState:
     salt: KeySalt | None = None
     local_tokens: int = 0  # vLLM's block-aligned prefix-cache hit at the last lookup
     load_end: int = 0  # end of the tokens to load (0: none)
+    ready_end: int = 0  # the workers' answer: the cached prefix's end (may pass load_end)
     load_pending: bool = False
     stored_end: int = 0  # tokens already handed to a StoreSpec or loaded from the cache
     first_lookup: float | None = None  # time.monotonic() of the first unanswered lookup
@@ -744,6 +745,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         state.first_lookup = None
         hit = min(ready, limit) // block * block
         state.local_tokens = num_computed_tokens
+        state.ready_end = ready
         if hit <= num_computed_tokens:
             return 0, False
         stats["claimed_tokens"] += hit - num_computed_tokens
@@ -836,8 +838,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Load through the end of the chunk holding the claim's last token (its stored key
         # covers the whole chunk), as far as whole blocks vLLM already allocated reach.
         chunk = self.engine_config.chunk_size
+        through = -(-end // chunk) * chunk
+        if not self._hybrid and end <= state.ready_end < through:
+            through = state.ready_end  # that chunk was stored partial: its key ends there
         through = min(
-            -(-end // chunk) * chunk,
+            through,
             state.request.num_tokens // block * block,
             min(len(ids) for ids in groups) * block,
         )
