@@ -19,6 +19,12 @@ for CUDA caches by default): `start_load_kv` settles and enqueues the loads, eac
 layer waits for its own layer (`wait_for_layer_load`), `save_kv_layer` copies each layer out
 as it is written, and `wait_for_save` commits (docs/layerwise.md).
 
+Chunk keys carry what changes KV beyond the tokens: the model's fingerprint (computed from its
+config and weight files unless given, `default_fingerprint`) and each request's `KeySalt`
+(cache salt, LoRA adapter, multimodal items: `request_salt`). Hybrid models (`SupportsHMA`)
+keep one registration per KV cache group; a sliding-window group stores and loads only its
+window, and their loads are asynchronous so that a short one is recomputed.
+
 Must not: block the scheduler on disk, network or the workers (a lookup answers "ask again"
 until the workers' answer has arrived and their loads are done), claim a partial block, load
 into blocks vLLM's own prefix cache owns, or let a tiered_kv failure fail a request (it is a
@@ -777,9 +783,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 return manager.get_block_ids(request_id)
             raise RuntimeError("TieredKVConnector: no way to resolve block ids")
 
-        for request_id, state in list(self._requests.items()):
-            if state.load_pending:  # scheduled now, or (hybrid) loading asynchronously
-                self._plan_load(meta, request_id, state, resolve)
+        if self._hybrid:  # loads are asynchronous: their requests are not scheduled yet
+            for request_id, state in list(self._requests.items()):
+                if state.load_pending:
+                    self._plan_load(meta, request_id, state, resolve)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan(meta, new.req_id, new.num_computed_tokens, scheduled[new.req_id], resolve)
@@ -799,6 +806,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         state = self._requests.get(request_id)
         if state is None:
             return
+        if state.load_pending:  # synchronous: loaded in the step that computes the rest
+            self._plan_load(meta, request_id, state, resolve)
         block = self._block_size
         if not self._is_producer or not state.cacheable:
             return
