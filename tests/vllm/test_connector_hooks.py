@@ -378,3 +378,71 @@ def test_pins_are_bounded_in_bytes_and_time(make_config: Callable[..., Any]) -> 
         assert result.valid_tokens == 0
     finally:
         host.close()
+
+
+def _hybrid_config(make_config: Callable[..., Any]) -> tuple[Any, Any]:
+    """The instance config and a vLLM `KVCacheConfig` of two groups: layer 0 with a 64-token
+    sliding window, layer 1 with full attention (the caches of `_caches`)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    shape = {"num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.0.self_attn.attn"],
+            SlidingWindowSpec(block_size=BLOCK, sliding_window=64, **shape),
+        ),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(BLOCK, **shape)),
+    ]
+    return make_config(), KVCacheConfig(NUM_BLOCKS, [], groups)
+
+
+def test_hybrid_load_that_falls_short_is_a_failed_receive(
+    make_config: Callable[..., Any],
+) -> None:
+    """A hybrid model's load (two groups) whose chunks are gone: vLLM cannot take failed
+    blocks from such models, so the request is reported finished and failed (vLLM recomputes
+    it), never as loaded; a complete one is reported finished only, the sliding-window group
+    written only over its window."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tiered_kv.integrations.vllm import LoadSpec, StoreSpec, TieredKVConnector
+
+    config, kv_cache_config = _hybrid_config(make_config)
+    worker = TieredKVConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        caches = _caches(seed=11)
+        worker.register_kv_caches(caches)
+        tokens = _tokens(11, 160)
+        groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+        _run_step(
+            worker,
+            _meta(stores=[StoreSpec("w", tokens[:128], groups[0], group_block_ids=groups)]),
+        )
+        window, full = (
+            caches["model.layers.0.self_attn.attn"],
+            caches["model.layers.1.self_attn.attn"],
+        )
+        stored = (window[0:4].clone(), full[4:8].clone())
+        for cache in caches.values():
+            cache[8:].fill_(-1.0)
+        # 128 tokens claimed: the window group reads [96 - 32 ... ): window_start(128) = 64.
+        targets = [[0, 0, 8, 9], [10, 11, 12, 13]]  # 0: vLLM's null block for the dropped ones
+        load = LoadSpec("ok", tokens[:128], targets[0], 0, group_block_ids=targets)
+        _run_step(worker, _meta(loads=[load]))
+        results = worker.get_transfer_results(set())
+        assert (results.finished_recving, results.failed_recving) == ({"ok"}, set())
+        assert torch.equal(window[8:10], stored[0][2:4])  # the window's chunk only
+        assert torch.equal(full[10:14], stored[1])
+        missing = _tokens(12, 160)[:128]
+        lost = LoadSpec("lost", missing, targets[0], 0, group_block_ids=targets)
+        _run_step(worker, _meta(loads=[lost]))
+        results = worker.get_transfer_results(set())
+        assert (results.finished_recving, results.failed_recving) == ({"lost"}, {"lost"})
+        assert worker.get_block_ids_with_load_errors() == set()  # never per block
+    finally:
+        worker.shutdown()
