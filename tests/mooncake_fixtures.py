@@ -58,6 +58,7 @@ class MooncakeMaster:
     rpc_port: int = dataclasses.field(default_factory=free_port)
     http_port: int = dataclasses.field(default_factory=free_port)
     metrics_port: int = dataclasses.field(default_factory=free_port)
+    flags: tuple[str, ...] = ()  # more mooncake_master flags, e.g. "--client_ttl=2"
     process: subprocess.Popen[bytes] | None = None
 
     def url(self, segment: str = "64MiB", **query: str) -> str:
@@ -78,6 +79,7 @@ class MooncakeMaster:
                     "--http_metadata_server_host=127.0.0.1",
                     f"--http_metadata_server_port={self.http_port}",
                     f"--metrics_port={self.metrics_port}",
+                    *self.flags,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

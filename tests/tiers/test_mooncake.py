@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from tests.kvfactory import expect_copy, make_caches, poison_blocks
-from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, stop_process  # noqa: F401
+from tests.mooncake_fixtures import (  # noqa: F401
+    MooncakeMaster,
+    master_binary,
+    mooncake_master,
+    stop_process,
+)
 from tests.remote_fixtures import (
     BLOCK,
     CHUNK,
@@ -214,7 +219,7 @@ class _Writer:
 
 
 @pytest.fixture
-def writer_of(mooncake_master: MooncakeMaster) -> Iterator[type[_Writer]]:  # noqa: F811
+def writer_of() -> Iterator[type[_Writer]]:
     writers: list[_Writer] = []
 
     class Tracked(_Writer):
@@ -296,6 +301,39 @@ async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(
             assert engine.stats()["l3"]["hits"] == 4
     finally:
         stop_process(node)
+
+
+async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
+    tmp_path: Path, writer_of: type[_Writer]
+) -> None:
+    """``replicas=2`` puts each chunk on the writer's segment and a pool node's. Mooncake reads
+    one copy and does not fall back to the other, so after the writer is killed its copies are
+    misses until the master drops its segment (``--client_ttl``, 2 s here); then every chunk
+    loads from the surviving copy."""
+    master = MooncakeMaster(master_binary(), tmp_path / "master2.log", flags=("--client_ttl=2",))
+    master.start()
+    node = master.start_pool_node("64MB")
+    try:
+        tokens = tokens_for(3 * CHUNK + 5, seed=24)
+        writer = writer_of(master.url(replicas="2"), 24, len(tokens))
+        assert writer.wait_stored() == (4, 0)
+        writer.kill()
+        caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=24)
+        src = list(range(1, 1 + -(-len(tokens) // BLOCK)))
+        config = _config(master.url(segment="0"), l3_timeout_s=1.0)
+        async with TieredKVEngine(config) as engine:
+            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+            deadline = time.monotonic() + 30
+            while await engine.retrieve(tokens, list(range(12, 19))) < len(tokens):
+                assert time.monotonic() < deadline, engine.stats()["l3"]
+                await engine.evict_l1()
+                await asyncio.sleep(0.5)
+            await engine.evict_l1()
+            await retrieve_bit_exact(engine, caches, tokens, src)
+            assert engine.stats()["l3"]["corrupt"] == 0
+    finally:
+        stop_process(node)
+        master.stop()
 
 
 async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
