@@ -1,7 +1,7 @@
 """The L3 tier over a real Mooncake Store (``mooncake_master`` started by the test, see
 tests/mooncake_fixtures.py): bit-exact round trips, engines in two processes sharing chunks,
-the master SIGKILLed mid-load, a writer SIGKILLed, the pool full, missing / corrupt / short
-values, URL errors."""
+the master SIGKILLed mid-load, a writer SIGKILLed (with a pool node, with a second replica), the
+pool full, missing / corrupt / short values, URL errors."""
 
 from __future__ import annotations
 
