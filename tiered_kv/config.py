@@ -34,6 +34,7 @@ _SIZE_UNITS = {
     "tib": 1024**4,
 }
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+LOAD_POLICIES = ("cost", "always")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 _INT_FIELDS = (
     "chunk_size",
@@ -141,6 +142,10 @@ class EngineConfig:
     layerwise: integrations (the vLLM connector) load and store layer by layer, overlapping
         the model (docs/layerwise.md); None means "for CUDA caches" (on the CPU a layer's wait
         blocks the model's thread, so whole loads are as fast there).
+    load_policy: "cost" (the default): lookup claims only the prefix whose expected load time
+        beats recomputing it, from each tier's measured reads and the recompute model
+        (`TieredKVEngine.observe_prefill`; without one every hit is claimed); "always": every
+        hit is claimed (docs/cost.md).
     """
 
     chunk_size: int = 256
@@ -173,6 +178,7 @@ class EngineConfig:
     write_policies: str = ""
     selective_min_hits: int = 2
     layerwise: bool | None = None
+    load_policy: str = "cost"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
@@ -218,6 +224,10 @@ class EngineConfig:
         object.__setattr__(self, "l2_write_queue", None)
 
     def _validate_policies(self) -> None:
+        if self.load_policy not in LOAD_POLICIES:
+            raise ConfigError(
+                f"load_policy: expected one of {LOAD_POLICIES}, got {self.load_policy!r}"
+            )
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ConfigError(
                 f"prefetch_policy: expected one of {PREFETCH_POLICIES}, "

@@ -22,6 +22,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
 from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
+from tiered_kv.cost import RecomputeCost, choose_claim
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
 from tiered_kv.gpu.dispatch import DeviceMover
@@ -91,10 +92,15 @@ class TieredKVEngine:
         *,
         mover: KVMover | None = None,
         lower_tiers: Sequence[LowerTier] = (),
+        recompute_seconds: Callable[[int, int], float] | None = None,
     ) -> None:
         """``mover`` replaces the default mover; ``lower_tiers`` are extra tiers below L2 (or
-        below L1 without one), searched in order: custom backends and fault-injection tests."""
+        below L1 without one), searched in order: custom backends and fault-injection tests.
+        ``recompute_seconds(new_tokens, prefix_tokens)``: what the model's prefill of
+        ``new_tokens`` over a resident prefix costs, for ``load_policy="cost"``; without it
+        the engine learns it from `observe_prefill`."""
         self.config = config or EngineConfig()
+        self.recompute = RecomputeCost(recompute_seconds)
         self._mover_override = mover
         self._extra_tiers = tuple(lower_tiers)
         self._registrations: dict[str, Registration] = {}
@@ -104,6 +110,7 @@ class TieredKVEngine:
         self._prefetch: PrefetchController | None = None
         # Prefetches started by lookup, consumed by the retrieve of the same tokens.
         self._implicit: OrderedDict[tuple[str, ChunkKey], PrefetchHandle] = OrderedDict()
+        self._probes: set[asyncio.Task[None]] = set()  # reads of declined tiers' chunks
         # The keys of recent token sequences: a request's lookup and retrieve hash them once.
         self._keys = KeyMemo()
         self._mover: KVMover | None = None
@@ -211,6 +218,10 @@ class TieredKVEngine:
         self._retriever = None
         try:
             self._implicit.clear()
+            for probe in list(self._probes):
+                probe.cancel()
+            if self._probes:
+                await asyncio.wait(list(self._probes))
             if prefetch is not None:
                 await prefetch.aclose()
             if storage is not None:
@@ -404,11 +415,18 @@ class TieredKVEngine:
             for _, transfer in staged:
                 transfer.obj.unref()
 
+    def observe_prefill(self, new_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        """Report a prefill the model ran: ``new_tokens`` computed over a resident prefix of
+        ``prefix_tokens``, in ``seconds``. The recompute model of ``load_policy="cost"`` learns
+        from these (unless the engine was given ``recompute_seconds``)."""
+        self.recompute.observe(new_tokens, prefix_tokens, seconds)
+
     @_call
     async def lookup(
         self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
     ) -> int:
-        """Tokens of the longest cached prefix across all tiers (a miss ends the prefix).
+        """Tokens of the longest cached prefix across all tiers (a miss ends the prefix), cut
+        (``load_policy="cost"``) to the part whose expected load time beats recomputing it.
 
         With ``config.prefetch`` the chunks of that prefix found only in lower tiers start
         loading into L1 now; the retrieve of the same tokens consumes that prefetch.
@@ -419,6 +437,24 @@ class TieredKVEngine:
         keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
         where = await storage.locate(keys)
+        if self.config.load_policy == "cost" and where:
+            claim = choose_claim(
+                [-1 if w is None else w for w in where],
+                chunk_tokens=self.config.chunk_size,
+                chunk_bytes=reg.layout.layout_desc.nbytes(self.config.chunk_size),
+                total_tokens=num_tokens,
+                tiers=storage.costs,
+                recompute=self.recompute,
+                layerwise=(
+                    reg.layout.device.type == "cuda"
+                    if self.config.layerwise is None
+                    else self.config.layerwise
+                ),
+            )
+            storage.note_declined(claim)
+            if claim.declined:
+                self._probe_declined(reg, keys, where, claim.chunks, num_tokens)
+            where = where[: claim.chunks]
         tokens = min(len(where) * self.config.chunk_size, num_tokens)
         self._counters.lookup_calls += 1
         self._counters.lookup_hit_tokens += tokens
@@ -434,6 +470,40 @@ class TieredKVEngine:
                 if stale is not None:
                     stale.release_unused()
         return tokens
+
+    def _probe_declined(
+        self,
+        reg: Registration,
+        keys: Sequence[ChunkKey],
+        where: Sequence[int | None],
+        claimed: int,
+        num_tokens: int,
+    ) -> None:
+        """Read the first declined chunk of each declined tier whose probe is due into L1 in
+        the background (`tiered_kv.cost.TierCost.probe_due`)."""
+        storage = self._require_storage()
+        now = asyncio.get_running_loop().time()
+        seen: set[int] = set()
+        for index in range(claimed, len(where)):
+            tier = where[index]
+            if tier is None or tier < 0 or tier in seen:
+                continue
+            seen.add(tier)
+            if not storage.costs[tier].probe_due(now):
+                continue
+            handle = self._start_prefetch(reg, keys, [tier], num_tokens, first_chunk=index)
+            task = asyncio.create_task(self._finish_probe(handle), name="tkv-cost-probe")
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+            self._counters.cost_probes += 1
+
+    @staticmethod
+    async def _finish_probe(handle: PrefetchHandle) -> None:
+        """The probe's read lands in L1 (and in its tier's cost); the handle lets go of it."""
+        try:
+            await handle.wait()
+        finally:
+            handle.cancel()
 
     def _start_implicit(
         self,

@@ -49,6 +49,7 @@ class EngineCounters:
     prefetch_calls: int = 0
     implicit_prefetches: int = 0
     implicit_prefetches_abandoned: int = 0
+    cost_probes: int = 0  # chunks of declined tiers read anyway, to keep their cost measured
 
 
 StatsDict = dict[str, dict[str, int | float]]
@@ -178,6 +179,8 @@ def _storage_dict(storage: StorageStats) -> dict[str, int | float]:
         out[f"{name}_read_bytes"] = reads.bytes_read
         out[f"{name}_read_seconds"] = reads.read_seconds
         out[f"{name}_read_busy_seconds"] = reads.busy_seconds
+        out[f"{name}_declined_chunks"] = reads.declined
+        out[f"{name}_declined_saved_seconds"] = reads.declined_saved_seconds
     for tier in storage.tiers:
         if tier.writes is None:
             continue
@@ -290,6 +293,23 @@ def _storage_families(b: _Builder, storage: StorageStats | None) -> None:
         "lookups whose prefix ended before the request's end",
         _get(storage, "located_misses"),
     )
+    for tier in tiers:
+        name = tier.name.lower()
+        b.add(
+            "declined_chunks",
+            "counter",
+            "chunks lookups found in a tier and left unclaimed: loading was slower than "
+            "recomputing (load_policy cost)",
+            tier.reads.declined,
+            tier=name,
+        )
+        b.add(
+            "declined_saved_seconds",
+            "counter",
+            "time declined claims saved against loading, by the cost model's estimate",
+            tier.reads.declined_saved_seconds,
+            tier=name,
+        )
     for tier in tiers:
         name = tier.name.lower()
         b.add(

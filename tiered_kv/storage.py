@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from tiered_kv.config import WRITE_POLICIES
+from tiered_kv.cost import Claim, TierCost
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
@@ -88,6 +89,8 @@ class _TierReads:
     failures: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0  # sum of per-read latencies
+    declined: int = 0
+    declined_saved_seconds: float = 0.0
     busy: BusyClock = dataclasses.field(default_factory=BusyClock)
 
 
@@ -100,6 +103,10 @@ class TierReadStats:
     failures: int  # reads (and batched lookups) that failed: misses
     bytes_read: int
     read_seconds: float  # sum of per-read latencies
+    # Chunks lookups found here and left unclaimed, loading them being slower than recomputing
+    # (load_policy "cost"), and the time that saved by the cost model's estimate.
+    declined: int
+    declined_saved_seconds: float
     busy_seconds: float  # time at least one read was running (throughput's denominator)
 
 
@@ -211,6 +218,8 @@ class StorageManager:
         self.touch_failures = 0
         self.l1_hits = 0
         self.reads = [_TierReads() for _ in self.lower]
+        # Each lower tier's read cost, learned from the reads below (`tiered_kv.cost`).
+        self.costs = [TierCost(tier.name, tier.read_parallelism) for tier in self.lower]
         self.misses = 0
         self.located_l1 = 0
         self.located_misses = 0
@@ -221,8 +230,9 @@ class StorageManager:
             l1.on_evict = self._on_l1_evict
 
     async def open(self) -> None:
-        for tier, policy in zip(self.lower, self._policies, strict=True):
+        for index, (tier, policy) in enumerate(zip(self.lower, self._policies, strict=True)):
             await tier.open()
+            self.costs[index].parallelism = tier.read_parallelism  # known once it is open
             queue: asyncio.Queue[tuple[ChunkKey, MemoryObj]] = asyncio.Queue(self._write_queue_size)
             wq = _WriteQueue(tier, policy, queue, set(), [])
             wq.workers = [
@@ -486,7 +496,15 @@ class StorageManager:
         reads.hits += 1
         reads.bytes_read += obj.nbytes
         reads.read_seconds += elapsed
+        self.costs[tier_index].observe(obj.nbytes, elapsed)
         return True
+
+    def note_declined(self, claim: Claim) -> None:
+        """Count what a lookup left unclaimed per tier; the time saved goes to the slowest."""
+        for tier_index, chunks in claim.declined.items():
+            self.reads[tier_index].declined += chunks
+        if claim.declined:
+            self.reads[max(claim.declined)].declined_saved_seconds += claim.saved_s
 
     def promote(self, key: ChunkKey, obj: MemoryObj) -> bool:
         """A lower-tier chunk read into ``obj`` (an L1 staging object) becomes an L1 entry; the

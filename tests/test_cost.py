@@ -1,0 +1,252 @@
+"""The cost model: tier read costs learned from reads, the recompute model, and the claim that
+minimises the expected time to first token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.kvfactory import make_caches
+from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.cost import MIN_READS, RecomputeCost, TierCost, choose_claim
+from tiered_kv.errors import ConfigError
+from tiered_kv.tiers.testing import FaultyTier, MemoryTier
+
+MB = 1_000_000
+
+
+def _tier(latency_s: float, bps: float, parallelism: int = 4, reads: int = 20) -> TierCost:
+    tier = TierCost("T", parallelism)
+    for i in range(reads):
+        size = (1 + i % 3) * MB  # three sizes: latency and rate are both identifiable
+        tier.observe(size, latency_s + size / bps)
+    return tier
+
+
+def test_a_tier_learns_latency_and_throughput_from_its_reads() -> None:
+    tier = _tier(0.002, 1e9)
+    assert tier.chunk_seconds(4 * MB) == pytest.approx(0.002 + 0.004, rel=1e-6)
+    # Four at once: eight chunks take two rounds.
+    assert tier.load_seconds([2 * MB] * 8) == pytest.approx(2 * (0.002 + 0.002), rel=1e-6)
+    assert tier.load_seconds([]) == 0.0
+
+
+def test_chunks_of_one_size_give_a_proportional_estimate() -> None:
+    tier = TierCost("T", 2)
+    for _ in range(MIN_READS):
+        tier.observe(8 * MB, 0.016)
+    assert tier.chunk_seconds(8 * MB) == pytest.approx(0.016)
+    assert tier.chunk_seconds(4 * MB) == pytest.approx(0.008)
+    assert tier.throughput_bps() == pytest.approx(2 * 8 * MB / 0.016)
+
+
+def test_no_estimate_before_enough_reads_unless_seeded() -> None:
+    tier = TierCost("T", 4)
+    for _ in range(MIN_READS - 1):
+        tier.observe(MB, 0.001)
+    assert tier.chunk_seconds(MB) is None
+    assert tier.load_seconds([MB]) is None
+    tier.seed(throughput_bps=4e9)  # aggregate: 1 GB/s a reader at 4 readers
+    assert tier.chunk_seconds(MB) == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="seed"):
+        tier.seed(throughput_bps=0)
+
+
+def test_one_stall_moves_the_estimate_little_and_a_lasting_slowdown_is_followed() -> None:
+    tier = _tier(0.0, 1e9, reads=30)
+    steady = tier.chunk_seconds(2 * MB)
+    assert steady is not None
+    tier.observe(2 * MB, 100 * steady)  # one stall, clipped
+    after_stall = tier.chunk_seconds(2 * MB)
+    assert after_stall is not None and after_stall < 1.5 * steady
+    for i in range(150):  # the tier is 10x slower from now on
+        size = (1 + i % 3) * MB
+        tier.observe(size, size / 1e8)
+    slowed = tier.chunk_seconds(2 * MB)
+    assert slowed == pytest.approx(10 * steady, rel=0.15)
+
+
+def test_recompute_is_learned_from_prefills_or_given() -> None:
+    def truth(new: int, prefix: int) -> float:
+        return 1e-5 * new + 2e-9 * new * (prefix + new / 2) + 0.003
+
+    model = RecomputeCost()
+    assert model.seconds(1000, 0) is None
+    for new, prefix in [(512, 0), (2048, 0), (1024, 1024), (4096, 4096), (300, 7000), (8192, 0)]:
+        model.observe(new, prefix, truth(new, prefix))
+    assert model.seconds(16384, 0) == pytest.approx(truth(16384, 0), rel=1e-6)
+    assert model.seconds(1, 32767) == pytest.approx(truth(1, 32767), rel=1e-6)
+    assert model.seconds(0, 5) == 0.0
+    given = RecomputeCost(lambda new, prefix: 0.5)
+    assert given.seconds(10, 0) == 0.5
+
+
+def _recompute(per_token_s: float) -> RecomputeCost:
+    return RecomputeCost(lambda new, prefix: per_token_s * new)
+
+
+def test_a_fast_tier_is_claimed_whole_and_a_slow_one_declined() -> None:
+    # 16 chunks of 256 tokens and 32 MB; recomputing costs 30 us a token (7.7 ms a chunk).
+    fast = _tier(0.0, 4e9, parallelism=8)  # a chunk in 8 ms, 8 at once: 16 ms for 16
+    slow = _tier(0.0, 0.2e9, parallelism=8)  # a chunk in 160 ms
+    common = {"chunk_tokens": 256, "chunk_bytes": 32 * MB, "total_tokens": 16 * 256 + 10}
+    claim = choose_claim(
+        [0] * 16, tiers=[fast], recompute=_recompute(30e-6), layerwise=False, **common
+    )
+    assert claim.chunks == 16 and claim.declined == {} and claim.saved_s == 0.0
+    claim = choose_claim(
+        [0] * 16, tiers=[slow], recompute=_recompute(30e-6), layerwise=False, **common
+    )
+    assert claim.chunks == 0 and claim.declined == {0: 16}
+    assert claim.expected_s == pytest.approx(30e-6 * (16 * 256 + 10))
+    assert claim.all_loaded_s is not None and claim.saved_s > 0.1
+
+
+def test_the_l1_part_of_a_prefix_is_claimed_before_a_slow_tier() -> None:
+    slow = _tier(0.05, 0.5e9)
+    claim = choose_claim(
+        [-1, -1, -1, 0, 0, 0],
+        chunk_tokens=256,
+        chunk_bytes=32 * MB,
+        total_tokens=6 * 256,
+        tiers=[slow],
+        recompute=_recompute(30e-6),
+        layerwise=False,
+    )
+    assert claim.chunks == 3 and claim.declined == {0: 3}
+
+
+def test_layerwise_overlap_claims_what_a_whole_load_would_decline() -> None:
+    # Loading 8 chunks takes 90 ms, recomputing them 80 ms, the other 8 chunks 80 ms.
+    tier = TierCost("T", 8)
+    for _ in range(MIN_READS):
+        tier.observe(32 * MB, 0.090)
+    kwargs = {
+        "chunk_tokens": 100,
+        "chunk_bytes": 32 * MB,
+        "total_tokens": 1600,
+        "tiers": [tier],
+        "recompute": _recompute(1e-4),
+    }
+    assert choose_claim([0] * 8, layerwise=False, **kwargs).chunks == 0  # 90 + 80 > 160
+    assert choose_claim([0] * 8, layerwise=True, **kwargs).chunks == 8  # max(90, 80) < 160
+
+
+def test_without_an_estimate_the_whole_prefix_is_claimed() -> None:
+    unknown = TierCost("T", 4)
+    known = _tier(0.0, 1e6)  # very slow, but the recompute side is unknown
+    args = {"chunk_tokens": 256, "chunk_bytes": MB, "total_tokens": 1024, "layerwise": False}
+    assert choose_claim([0] * 4, tiers=[unknown], recompute=_recompute(1e-9), **args).chunks == 4
+    assert choose_claim([0] * 4, tiers=[known], recompute=RecomputeCost(), **args).chunks == 4
+    assert choose_claim([-1] * 4, tiers=[known], recompute=RecomputeCost(), **args).chunks == 4
+
+
+# -- the engine's claims ---------------------------------------------------------------------
+
+CHUNK = 16
+TOKENS = list(range(5000, 5000 + 8 * CHUNK))  # 8 chunks
+SRC, DST = list(range(8)), list(range(8, 16))
+RECOMPUTE_S_PER_TOKEN = 1e-3  # 16 ms a chunk: 128 ms for the prompt
+
+
+def _recompute_seconds(new_tokens: int, prefix_tokens: int) -> float:
+    return RECOMPUTE_S_PER_TOKEN * new_tokens
+
+
+async def _engine_over(tier: FaultyTier, **config: object) -> TieredKVEngine:
+    engine = TieredKVEngine(
+        EngineConfig(chunk_size=CHUNK, l1_size="8MiB", **config),  # type: ignore[arg-type]
+        lower_tiers=[tier],
+        recompute_seconds=_recompute_seconds,
+    )
+    await engine.open()
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    delay = tier.get_delay_s
+    tier.get_delay_s = 0.0
+    await engine.store(TOKENS, SRC)
+    await engine.flush()
+    await engine.evict_l1()
+    tier.get_delay_s = delay
+    return engine
+
+
+async def _request(engine: TieredKVEngine) -> int:
+    """A request as a serving engine makes it: lookup, then retrieve what it claimed (which
+    consumes the prefetch the lookup started), then L1 emptied once every load ended."""
+    claimed = await engine.lookup(TOKENS)
+    if claimed:
+        result = await engine.retrieve_detailed(TOKENS[:claimed], DST)
+        assert result.valid_tokens == claimed
+    await _settle(engine)
+    return claimed
+
+
+async def _settle(engine: TieredKVEngine) -> None:
+    """Wait for loads (prefetches, probes) to end, then empty L1."""
+    for _ in range(1000):
+        if engine.stats()["prefetch"]["in_flight"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert engine.stats()["prefetch"]["in_flight"] == 0
+    await engine.evict_l1()
+
+
+async def test_the_engine_declines_a_slow_tier_and_claims_it_again_once_it_is_fast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tiered_kv.cost
+
+    monkeypatch.setattr(tiered_kv.cost, "PROBE_INTERVAL_S", 0.0)  # a probe at every decline
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.3)  # 8 chunks at once in 300 ms: > 128 ms
+    engine = await _engine_over(tier)
+    try:
+        # No reads measured yet: the whole hit is claimed, and its loads teach the model.
+        assert await _request(engine) == len(TOKENS)
+        assert await _request(engine) == 0
+        stats = engine.stats()
+        name = tier.name.lower()
+        assert stats["storage"][f"{name}_declined_chunks"] == 8
+        assert stats["storage"][f"{name}_declined_saved_seconds"] > 0
+        assert stats["engine"]["cost_probes"] == 1
+        # The tier becomes fast; the probes of its declined chunks measure it, and the claim
+        # comes back.
+        tier.get_delay_s = 0.0
+        rounds = 0
+        claimed = 0
+        while claimed != len(TOKENS) and rounds < 60:
+            rounds += 1
+            claimed = await _request(engine)
+        assert claimed == len(TOKENS), "the claim never came back after the tier sped up"
+        assert rounds > 1  # it took measurements, not a reset
+    finally:
+        await engine.aclose()
+
+
+async def test_a_tier_faster_than_recomputing_is_always_claimed() -> None:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.002)
+    engine = await _engine_over(tier)
+    try:
+        for _ in range(3):
+            assert await _request(engine) == len(TOKENS)
+        assert engine.stats()["storage"][f"{tier.name.lower()}_declined_chunks"] == 0
+    finally:
+        await engine.aclose()
+
+
+async def test_load_policy_always_claims_every_hit() -> None:
+    tier = FaultyTier(MemoryTier(), get_delay_s=0.1)
+    engine = await _engine_over(tier, load_policy="always")
+    try:
+        for _ in range(2):
+            assert await _request(engine) == len(TOKENS)
+        assert engine.stats()["engine"]["cost_probes"] == 0
+    finally:
+        await engine.aclose()
+
+
+def test_load_policy_is_validated() -> None:
+    with pytest.raises(ConfigError, match="load_policy"):
+        EngineConfig(load_policy="sometimes")

@@ -1,0 +1,281 @@
+"""Whether loading a cached prefix beats recomputing it: per-tier load costs learned from the
+tier's own reads, a recompute model, and the claim that minimises the expected time to first
+token (`choose_claim`).
+
+`TierCost` learns one lower tier's time per chunk read, ``latency + bytes / throughput``, by
+least squares over its recent reads (exponential forgetting, so it follows a tier that slows
+down or recovers; each read's time clipped to a few times the current prediction, so one
+stall does not swing it). A load of k chunks takes ``ceil(k / parallelism)`` rounds of one
+chunk's time, since the tier reads that many at once. Until a tier has read a few chunks it
+has no estimate, unless seeded (`seed`).
+
+`RecomputeCost` learns the prefill time of ``new`` tokens over a resident prefix of ``prefix``
+tokens as ``a·new + b·new·(prefix + new/2) + c`` (the matmuls, the attention over the context,
+a fixed part) from the prefills the serving stack reports, or takes a function of its own.
+Until it has data it has no estimate.
+
+`choose_claim` compares, for every chunk boundary k of a located prefix, the time to first
+token when the first k chunks are loaded and the rest recomputed: whole loads
+``load(k) + compute(rest)``, layerwise ``max(load(k), compute(rest))``. Loads from different
+tiers run at once (the slowest tier's time counts); chunks in L1 cost nothing here. Without an
+estimate for a tier it needs, or for recomputing, it claims the whole located prefix (loading
+is the conservative default: a claim never costs correctness, and a hit is usually faster).
+A declined tier is read no more, so the engine reads one of its declined chunks into L1 at
+most every `PROBE_INTERVAL_S` (`TierCost.probe_due`): its estimate keeps following the tier.
+
+Loop-only; pure arithmetic, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+MIN_READS = 4  # reads before a tier's own estimate is used
+PROBE_INTERVAL_S = 10.0  # a tier whose hits are declined gets one chunk read this often
+_CLIP = 4.0  # an observation counts at most this many times the current prediction
+
+
+class _DecayingFit:
+    """Weighted least squares of ``y`` on features ``x`` (with forgetting factor ``keep`` per
+    observation); solves by Gaussian elimination, None while the system is singular."""
+
+    def __init__(self, features: int, keep: float) -> None:
+        self.keep = keep
+        self.count = 0
+        self._xtx = [[0.0] * features for _ in range(features)]
+        self._xty = [0.0] * features
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        n = len(self._xty)
+        for i in range(n):
+            self._xty[i] = self.keep * self._xty[i] + x[i] * y
+            row = self._xtx[i]
+            for j in range(n):
+                row[j] = self.keep * row[j] + x[i] * x[j]
+        self.count += 1
+
+    def solve(self) -> list[float] | None:
+        n = len(self._xty)
+        # Columns scaled to a unit diagonal first: the features differ by many orders.
+        d = [math.sqrt(self._xtx[i][i]) for i in range(n)]
+        if not all(v > 0 for v in d):
+            return None
+        a = [
+            [*(self._xtx[i][j] / (d[i] * d[j]) for j in range(n)), self._xty[i] / d[i]]
+            for i in range(n)
+        ]
+        for col in range(n):
+            pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+            if abs(a[pivot][col]) <= 1e-9:
+                return None
+            a[col], a[pivot] = a[pivot], a[col]
+            for r in range(n):
+                if r != col:
+                    f = a[r][col] / a[col][col]
+                    for c in range(col, n + 1):
+                        a[r][c] -= f * a[col][c]
+        return [a[i][n] / a[i][i] / d[i] for i in range(n)]
+
+
+class TierCost:
+    """One lower tier's read cost, learned from its reads (see the module docstring)."""
+
+    def __init__(self, name: str, parallelism: int, *, keep: float = 0.9) -> None:
+        if parallelism < 1:
+            raise ValueError(f"TierCost {name}: parallelism must be >= 1, got {parallelism}")
+        self.name = name
+        self.parallelism = parallelism
+        self._fit = _DecayingFit(2, keep)
+        self._mean_bytes = 0.0
+        self._mean_seconds = 0.0
+        self._weight = 0.0
+        self._keep = keep
+        self._seed: tuple[float, float] | None = None  # (latency s, bytes per second)
+        self._last_probe = -math.inf  # when `probe_due` last said yes
+
+    def probe_due(self, now: float, interval_s: float | None = None) -> bool:
+        """Whether a tier whose hits are declined should read one chunk anyway now, so that its
+        estimate follows the tier when it speeds up (declined hits are never read otherwise).
+        Says yes at most once per ``interval_s`` (default `PROBE_INTERVAL_S`)."""
+        interval = PROBE_INTERVAL_S if interval_s is None else interval_s
+        if now - self._last_probe < interval:
+            return False
+        self._last_probe = now
+        return True
+
+    def seed(self, *, throughput_bps: float, latency_s: float = 0.0) -> None:
+        """A prior (e.g. the tier's ceiling measured in the same run), used until it has read
+        `MIN_READS` chunks itself."""
+        if throughput_bps <= 0 or latency_s < 0:
+            raise ValueError(
+                f"TierCost {self.name}: seed needs throughput > 0 and latency >= 0, got "
+                f"{throughput_bps} B/s and {latency_s} s"
+            )
+        self._seed = (latency_s, throughput_bps)
+
+    @property
+    def reads(self) -> int:
+        return self._fit.count
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """One chunk read: ``nbytes`` in ``seconds`` (on its own, though others ran beside it)."""
+        if nbytes <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        predicted = self.chunk_seconds(nbytes)
+        if predicted is not None and self._fit.count >= MIN_READS:
+            seconds = min(seconds, _CLIP * predicted)
+        self._fit.add((1.0, float(nbytes)), seconds)
+        self._weight = self._keep * self._weight + 1.0
+        w = 1.0 / self._weight
+        self._mean_bytes += w * (nbytes - self._mean_bytes)
+        self._mean_seconds += w * (seconds - self._mean_seconds)
+
+    def _own(self) -> tuple[float, float] | None:
+        """(latency s, seconds per byte) from the reads seen, None before `MIN_READS`."""
+        if self._fit.count < MIN_READS:
+            return None
+        solved = self._fit.solve()
+        if solved is not None and solved[0] >= 0 and solved[1] > 0:
+            return solved[0], solved[1]
+        # All chunks one size (or a fit that makes no physical sense): time is proportional.
+        if self._mean_bytes <= 0:
+            return None
+        return 0.0, self._mean_seconds / self._mean_bytes
+
+    def chunk_seconds(self, nbytes: int) -> float | None:
+        """Predicted time of one chunk's read, None while there is no estimate."""
+        own = self._own()
+        if own is not None:
+            latency, per_byte = own
+            return latency + per_byte * nbytes
+        if self._seed is not None:
+            latency, rate = self._seed
+            # A seed is an aggregate rate: one chunk of `parallelism` reading at once.
+            return latency + nbytes * self.parallelism / rate
+        return None
+
+    def load_seconds(self, chunk_bytes: Sequence[int]) -> float | None:
+        """Predicted time to read these chunks, `parallelism` at a time; 0 for none."""
+        if not chunk_bytes:
+            return 0.0
+        mean = sum(chunk_bytes) / len(chunk_bytes)
+        one = self.chunk_seconds(round(mean))
+        if one is None:
+            return None
+        return math.ceil(len(chunk_bytes) / self.parallelism) * one
+
+    def throughput_bps(self) -> float | None:
+        """Aggregate bytes per second at full parallelism for chunks of the usual size."""
+        size = self._mean_bytes or None
+        one = self.chunk_seconds(round(size)) if size else None
+        if one is None or one <= 0 or size is None:
+            return None
+        return self.parallelism * size / one
+
+
+class RecomputeCost:
+    """Prefill seconds of ``new`` tokens over a resident prefix of ``prefix`` tokens: learned
+    from `observe` (see the module docstring), or ``function(new, prefix)`` when given."""
+
+    def __init__(
+        self, function: Callable[[int, int], float] | None = None, *, keep: float = 0.98
+    ) -> None:
+        self.function = function
+        self._fit = _DecayingFit(3, keep)
+
+    @staticmethod
+    def _features(new: int, prefix: int) -> tuple[float, float, float]:
+        return float(new), new * (prefix + new / 2.0), 1.0
+
+    @property
+    def observations(self) -> int:
+        return self._fit.count
+
+    def observe(self, new_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        if new_tokens <= 0 or prefix_tokens < 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        self._fit.add(self._features(new_tokens, prefix_tokens), seconds)
+
+    def seconds(self, new_tokens: int, prefix_tokens: int) -> float | None:
+        if new_tokens <= 0:
+            return 0.0
+        if self.function is not None:
+            return float(self.function(new_tokens, prefix_tokens))
+        if self._fit.count < 3:
+            return None
+        solved = self._fit.solve()
+        if solved is None:
+            return None
+        value = sum(
+            c * f for c, f in zip(solved, self._features(new_tokens, prefix_tokens), strict=True)
+        )
+        return max(value, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """What `choose_claim` decided: load the first ``chunks`` located chunks."""
+
+    chunks: int
+    located: int  # chunks the lookup found
+    expected_s: float | None  # expected time to first token with this claim (None: no model)
+    all_loaded_s: float | None  # the same with every located chunk loaded
+    # Per lower tier index: chunks located there and left unclaimed.
+    declined: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def saved_s(self) -> float:
+        """Expected seconds saved against loading every located chunk (0 without a model)."""
+        if self.expected_s is None or self.all_loaded_s is None:
+            return 0.0
+        return max(self.all_loaded_s - self.expected_s, 0.0)
+
+
+def choose_claim(
+    where: Sequence[int],
+    *,
+    chunk_tokens: int,
+    chunk_bytes: int,
+    total_tokens: int,
+    tiers: Sequence[TierCost],
+    recompute: RecomputeCost,
+    layerwise: bool,
+) -> Claim:
+    """The prefix of ``where`` (-1: L1, i: ``tiers[i]``) worth loading for a prompt of
+    ``total_tokens``; see the module docstring."""
+    located = len(where)
+    everything = Claim(located, located, None, None)
+    if not any(w >= 0 for w in where):
+        return everything
+    best: tuple[float, int] | None = None
+    all_loaded: float | None = None
+    per_tier: dict[int, int] = {}
+    for k in range(located + 1):
+        if k:
+            tier = where[k - 1]
+            if tier >= 0:
+                per_tier[tier] = per_tier.get(tier, 0) + 1
+        load = 0.0
+        for tier, count in per_tier.items():
+            seconds = tiers[tier].load_seconds([chunk_bytes] * count)
+            if seconds is None:
+                return everything  # no estimate for a tier this claim needs: load it all
+            load = max(load, seconds)
+        prefix = min(k * chunk_tokens, total_tokens)
+        rest = recompute.seconds(total_tokens - prefix, prefix)
+        if rest is None:
+            return everything
+        ttft = max(load, rest) if layerwise else load + rest
+        if best is None or ttft <= best[0]:
+            best = (ttft, k)
+        if k == located:
+            all_loaded = ttft
+    assert best is not None
+    chunks = best[1]
+    declined: dict[int, int] = {}
+    for tier in where[chunks:]:
+        if tier >= 0:
+            declined[tier] = declined.get(tier, 0) + 1
+    return Claim(chunks, located, best[0], all_loaded, declined)
