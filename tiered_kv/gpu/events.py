@@ -83,12 +83,8 @@ class CudaLayerLoad(LayerLoad):
     it when the lead is short or the GPU has model work queued to cover it: ``mark``) on the
     calling thread, then orders the stream after layer ``i``'s event, so on the GPU each
     layer waits for its own copies only and the host never waits for another thread. The model's
-    own thread does the enqueue because a second Python thread enqueueing beside the model costs
-    both: they share the GIL, and the enqueue's driver calls release it at every call, so they
-    hand it back and forth. Measured on an H100 with Llama-3-8B's KV (docs/benchmarks.md): with
-    eager launches, a 32k-token enqueue on the loop's thread took over 60 ms instead of 16-26 ms
-    and starved the copy engine; with CUDA graphs, waking the model per queued layer stretched
-    an 8k-token enqueue from 7.2-8.5 ms to 10.1-11.7 ms.
+    own thread does the enqueue: a second Python thread enqueueing beside the model would trade
+    the GIL with it at every driver call (docs/layerwise.md says what that cost).
 
     Other paths (a kernel or a batched copy per layer) are enqueued whole by a task of the
     loop (``task``) before the call returns.
@@ -117,6 +113,10 @@ class CudaLayerLoad(LayerLoad):
         self.events[layer] = event
         self._has_event[layer] = True
 
+    def has_event(self, layer: int) -> bool:
+        """Whether layer ``layer``'s copies are queued (its event recorded)."""
+        return self._has_event[layer]
+
     def end_enqueue(self, error: BaseException | None) -> None:
         """Loop thread, once the enqueue ended: ``error`` is why it stopped short (None: whole)."""
         self.error = error
@@ -125,7 +125,7 @@ class CudaLayerLoad(LayerLoad):
         self._check(layer)
         if self.pull is not None:
             self.pull(layer)
-        if not self._has_event[layer]:
+        if not self.has_event(layer):
             raise TieredKVError(f"layerwise load failed before layer {layer}: {self.error}")
         if stream is None:
             stream = torch.cuda.current_stream(self.device)

@@ -77,8 +77,8 @@ _THREADS = 256
 _UNROLL = 4  # TKV_UNROLL
 LEAD_SLOTS = 2  # staging enqueues this many slots' worth before yielding to the loop
 MIN_LEAD_LAYERS = 2  # a layerwise wait queues a fill if fewer layers beyond its own are queued
-# A staging layerwise load whose layers copy in this much or less (0.3 ms at 55 GB/s) launches its
-# first layers as mapped kernels (`MoverOptions.mapped_front_layers`).
+# A staging layerwise load whose layers copy in this much or less launches its first layers as
+# mapped kernels (`MoverOptions.mapped_front_layers`).
 MAPPED_FRONT_LAYER_BYTES = 16 << 20
 FALLBACK_S = 1.0  # a pulled load's rest is queued by the loop after twice its copies' time + this
 EDGE_CTA_FACTOR = 4  # CTAs of the first (gather) or last (scatter) kernel, times staging_ctas
@@ -319,12 +319,9 @@ class CudaMover(KVMover):
         load.pull, load.pulled = pull, pull.submitted
         # The copies start now: predict their end now, for the waiter and the fallback.
         pull.predicted = side.clock.schedule(call.nbytes, call.start)
-        # Through layer `MIN_LEAD_LAYERS` (unless the front has; the first fills hold 1, 1, 2,
-        # ... layers: `slot_fills` ramps up by layers): the copies keep going while the model's
-        # thread gets to its first waits, and those waits, while the GPU has little of the
-        # model queued, need not queue a fill (measured on an H100, 2k tokens of Llama-3-8B:
-        # queueing through layer 1 only, the model's first waits left the GPU idle 0.24 ms;
-        # through layer 2, 0.08 ms, and the first token came 0.1 ms sooner).
+        # Through layer `MIN_LEAD_LAYERS` (unless the front has): the copies keep going while
+        # the model's thread gets to its first waits, which then need not queue a fill
+        # (docs/decisions/layerwise-loads-on-the-gpu.md).
         pull.queue(min(MIN_LEAD_LAYERS, pull.last))
         task = loop.create_task(pull.fallback(2 * pull.predicted[1] + FALLBACK_S))
         self._tasks.add(task)
@@ -337,12 +334,9 @@ class CudaMover(KVMover):
         """The first layers of a staging layerwise load to launch as mapped kernels: up to
         ``mapped_front_layers`` (all but the last at most, so the pull has fills to end with),
         when every layer of them copies in `MAPPED_FRONT_LAYER_BYTES` or less and every chunk
-        is in pinned memory. There a staging fill's enqueue (0.1-0.3 ms of Python) outlasts
-        its copy, and before the model starts it is all latency: measured on an H100, 2k
-        tokens of Llama-3-8B (8 MiB a layer), four mapped launches returned 0.24 ms sooner than
-        three fills and the first token came 0.2 ms sooner; the model's first layer, starting
-        beside the last mapped copies, was no slower. With larger layers the copies outlast
-        the fills' enqueue, and mapped kernels would take SMs from the model for longer."""
+        is in pinned memory: there a staging fill's enqueue outlasts its copy, and before the
+        model starts it is all latency; larger layers keep staging, where mapped kernels would
+        hold SMs beside the model for longer (docs/decisions/layerwise-loads-on-the-gpu.md)."""
         count = min(self.options.mapped_front_layers, len(layers) - 1)
         if count <= 0 or not all(transfer.obj.arena.pinned for transfer in transfers):
             return []
@@ -1004,16 +998,14 @@ class _LoadPull:
         only delay its start. A later wait whose layer is queued already adds one fill toward
         ``layer + ahead`` only if the copies are short (fewer than `MIN_LEAD_LAYERS` layers
         queued beyond it) or the model's stream still has the previous layer ahead of it (the
-        `mark` of the last wait not reached): a fill is 0.1-0.25 ms of Python, and a layer of
-        Llama-3-8B computes in 0.27 ms at 2k tokens on an H100, so a fill queued while the GPU
-        is on the last layer launched leaves it idle until the next launch (measured there:
-        0.2-0.6 ms idle over the first layers when every wait queued a fill). A wait whose
-        layer is not queued yet queues just that layer."""
+        `mark` of the last wait not reached): a fill queued while the GPU is on the last layer
+        launched leaves it idle until the next launch (docs/decisions/layerwise-loads-on-the-
+        gpu.md). A wait whose layer is not queued yet queues just that layer."""
         load = self.call.load
         if layer is None:
             self.queue(self.last)
-        elif self.waited and load is not None and load._has_event[layer]:
-            short = not load._has_event[min(self.last, layer + MIN_LEAD_LAYERS)]
+        elif self.waited and load is not None and load.has_event(layer):
+            short = not load.has_event(min(self.last, layer + MIN_LEAD_LAYERS))
             if short or self._stream_has_work():
                 self.queue(min(self.last, layer + self.ahead), fills=1)
         else:
@@ -1040,7 +1032,7 @@ class _LoadPull:
         """Queue fills until model layer ``target``'s copies are all queued (or all of them,
         for the last layer), at most ``fills`` of them, on the calling thread."""
         load = self.call.load
-        if self.ended or load is None or load._has_event[target]:
+        if self.ended or load is None or load.has_event(target):
             return
         error: BaseException | None = None
         with self.mover._lock:
@@ -1050,7 +1042,7 @@ class _LoadPull:
             try:
                 call.state.kernels.make_current()
                 while self._upcoming is not None:
-                    if target < self.last and load._has_event[target]:
+                    if target < self.last and load.has_event(target):
                         return
                     if fills is not None:
                         if fills <= 0:

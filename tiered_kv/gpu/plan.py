@@ -26,9 +26,7 @@ JOB_MAX_BYTES = 1 << 30
 RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `slot_fills`
 LAYER_RAMP = 6  # a layerwise load's first fills end after 1, 1, 2, 4, 8, 16 layers
 # `auto` uses the DMA-only path when a chunk's contiguous runs average at least this many bytes:
-# below it the copy engines spend their time on descriptors. Measured (bench/transfer.py, H100,
-# 32-chunk calls, whole-block runs): DMA reached 58% / 79% / 90% of the PCIe ceiling with 64 KiB /
-# 256 KiB / 1 MiB runs, while staging reached 97-98% for each, so DMA stays off up to there.
+# below it the copy engines spend their time on descriptors (docs/benchmarks.md, "GPU transfers").
 DMA_MIN_RUN_BYTES = 4 << 20
 
 
