@@ -282,6 +282,22 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     results: dict[str, dict[str, float]] = {}
     exists: dict[str, float] = {}
     striped = f"x{connections}"
+
+    async def store_rows(
+        name: str, make_tier: Callable[[int | None], RemoteTier], one: str, many: str
+    ) -> None:
+        """A store's three rows: PUT/GET one chunk at a time, ``connections`` at once, EXISTS."""
+        results[f"{name} x1"] = await put_get(make_tier(1), layout, arena, 1, 1, 4 * rounds, one)
+        progress.advance(f"{name} x1")
+        results[f"{name} {striped}"] = await put_get(
+            make_tier(None), layout, arena, STRIPED_CHUNKS, connections, max(1, rounds // 2), many
+        )
+        progress.advance(f"{name} {striped}")
+        exists[name] = await exists_latency(
+            lambda: make_tier(None), 50 if args.quick else 200, name
+        )
+        progress.advance(f"{name} EXISTS")
+
     try:
         tkv_port = free_port()
         serve = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(tkv_port)]
@@ -292,24 +308,12 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                 client = RemoteClient("127.0.0.1", tkv_port, options=options)
                 return RemoteTier(TkvConnector(client), timeout_s=60)
 
-            results["tkv x1"] = await put_get(
-                tkv_tier(1), layout, arena, 1, 1, 4 * rounds, "tkv, 1 connection, 1 in flight"
-            )
-            progress.advance("tkv x1")
-            results[f"tkv {striped}"] = await put_get(
-                tkv_tier(None),
-                layout,
-                arena,
-                STRIPED_CHUNKS,
-                connections,
-                max(1, rounds // 2),
+            await store_rows(
+                "tkv",
+                tkv_tier,
+                "tkv, 1 connection, 1 in flight",
                 f"tkv, {connections} connections, as many in flight",
             )
-            progress.advance(f"tkv {striped}")
-            exists["tkv"] = await exists_latency(
-                lambda: tkv_tier(None), 50 if args.quick else 200, "tkv"
-            )
-            progress.advance("tkv EXISTS")
         if not has_redis:
             log("redis-server or the redis extra (redis-py) not found: skipping the Redis rows")
         else:
@@ -323,28 +327,18 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
 
                     from tiered_kv.tiers.remote.redis import RedisConnector  # the redis extra
 
-                    def redis_tier(pool_size: int) -> RemoteTier:
-                        connector = RedisConnector(url, timeout_s=60, max_connections=pool_size)
+                    def redis_tier(pool_size: int | None) -> RemoteTier:
+                        connector = RedisConnector(
+                            url, timeout_s=60, max_connections=pool_size or connections
+                        )
                         return RemoteTier(connector, timeout_s=60)
 
-                    results["redis x1"] = await put_get(
-                        redis_tier(1), layout, arena, 1, 1, 4 * rounds, "redis, 1 in flight"
-                    )
-                    progress.advance("redis x1")
-                    results[f"redis {striped}"] = await put_get(
-                        redis_tier(connections),
-                        layout,
-                        arena,
-                        STRIPED_CHUNKS,
-                        connections,
-                        max(1, rounds // 2),
+                    await store_rows(
+                        "redis",
+                        redis_tier,
+                        "redis, 1 in flight",
                         f"redis, {connections} connections, as many in flight",
                     )
-                    progress.advance(f"redis {striped}")
-                    exists["redis"] = await exists_latency(
-                        lambda: redis_tier(connections), 50 if args.quick else 200, "redis"
-                    )
-                    progress.advance("redis EXISTS")
         if mooncake is None:
             log("the mooncake extra (or libibverbs1) not found: skipping the Mooncake rows")
         else:
@@ -355,28 +349,18 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                 options = parse_l3_url(url).mooncake
                 assert options is not None
 
-                def mooncake_tier(in_flight: int) -> RemoteTier:
-                    connector = MooncakeConnector(options, timeout_s=60, connections=in_flight)
+                def mooncake_tier(in_flight: int | None) -> RemoteTier:
+                    connector = MooncakeConnector(
+                        options, timeout_s=60, connections=in_flight or connections
+                    )
                     return RemoteTier(connector, timeout_s=60)
 
-                results["mooncake x1"] = await put_get(
-                    mooncake_tier(1), layout, arena, 1, 1, 4 * rounds, "mooncake, 1 in flight"
-                )
-                progress.advance("mooncake x1")
-                results[f"mooncake {striped}"] = await put_get(
-                    mooncake_tier(connections),
-                    layout,
-                    arena,
-                    STRIPED_CHUNKS,
-                    connections,
-                    max(1, rounds // 2),
+                await store_rows(
+                    "mooncake",
+                    mooncake_tier,
+                    "mooncake, 1 in flight",
                     f"mooncake, {connections} in flight (batched)",
                 )
-                progress.advance(f"mooncake {striped}")
-                exists["mooncake"] = await exists_latency(
-                    lambda: mooncake_tier(connections), 50 if args.quick else 200, "mooncake"
-                )
-                progress.advance("mooncake EXISTS")
     finally:
         progress.close()
         leaked = arena.close()
