@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tiered_kv.cli import Progress
 
 
@@ -25,6 +27,7 @@ def run_cli(
     )
 
 
+@pytest.mark.slow
 def test_demo_verifies_hits_from_l1_and_l2_and_after_restart(tmp_path: Path) -> None:
     l2 = tmp_path / "l2"
     # 12 MiB of L1 (six 2 MiB chunks) for 3 users x 3 turns: about 20 hits from L2 before the
@@ -53,6 +56,7 @@ def test_demo_verifies_hits_from_l1_and_l2_and_after_restart(tmp_path: Path) -> 
     assert "0 corrupt or foreign files" in listing.stdout
 
 
+@pytest.mark.slow
 def test_inspect_reports_corrupt_files_and_missing_directory(tmp_path: Path) -> None:
     shard = tmp_path / "ab"
     shard.mkdir()

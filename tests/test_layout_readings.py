@@ -201,6 +201,7 @@ SETTINGS = settings(
 
 @settings(SETTINGS, max_examples=300)
 @given(case=cases(), data=st.data())
+@pytest.mark.slow
 def test_every_input_round_trips_exactly_or_is_refused(case: Case, data: st.DataObject) -> None:
     round_trip_or_refusal(case, data, mover=None)
 

@@ -403,6 +403,7 @@ async def test_slow_senders(server: Served) -> None:
     _check_rss(server, during, after, summary)
 
 
+@pytest.mark.slow
 async def test_idle_connections(server: Served) -> None:
     started = time.monotonic()
     idle = [await _open(server) for _ in range(20)]

@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 from typing import IO
 
+import pytest
 import torch
 
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
@@ -204,6 +205,7 @@ def _kill_writers(root: Path, rng: random.Random) -> KillReport:
     return report
 
 
+@pytest.mark.slow
 async def test_sigkilled_writers_leave_only_complete_chunks(tmp_path: Path) -> None:
     root = tmp_path / "l2"
     started = time.perf_counter()

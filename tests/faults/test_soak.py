@@ -32,6 +32,7 @@ def _open_fds() -> int:
 
 
 @pytest.mark.parametrize("tier", ["L2", "L3"])
+@pytest.mark.slow
 async def test_soak_under_eviction_serves_only_correct_rows(
     tmp_path: Path,
     tier: str,

@@ -248,6 +248,7 @@ async def test_two_engines_in_two_processes_share_chunks(
         assert engine.stats()["l3"]["hits"] == 4
 
 
+@pytest.mark.slow
 async def test_a_killed_writer_costs_misses_never_wrong_data(
     mooncake_master: MooncakeMaster,  # noqa: F811
     writer_of: type[_Writer],
@@ -303,6 +304,7 @@ async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(
         stop_process(node)
 
 
+@pytest.mark.slow
 async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
     tmp_path: Path, writer_of: type[_Writer]
 ) -> None:
@@ -336,6 +338,7 @@ async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
         master.stop()
 
 
+@pytest.mark.slow
 async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
     mooncake_master: MooncakeMaster,  # noqa: F811
 ) -> None:
