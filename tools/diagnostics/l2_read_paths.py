@@ -94,7 +94,16 @@ def main() -> int:
     parser.add_argument("--threads", default="4,8,16")
     parser.add_argument("--slices-mib", default="1,4,16,0")
     parser.add_argument("--engine", action="store_true", help="also the engine's prefetch")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)",
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    print(f"GIL switch interval {sys.getswitchinterval() * 1e3:.2f} ms", flush=True)
     size = args.chunk_mib * MIB
     thread_counts = [int(n) for n in args.threads.split(",")]
     slice_sizes = [int(s) * MIB or size for s in args.slices_mib.split(",")]
