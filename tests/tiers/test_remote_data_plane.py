@@ -153,9 +153,10 @@ def test_pool_size_defaults_to_the_machine_and_is_validated() -> None:
     assert ClientOptions().connections == default_pool_size()
     assert 4 <= default_pool_size() <= 8
     assert ClientOptions(pool_size=2).connections == 2
-    # The tier keeps one load in flight per connection (prefetch's per-tier limit).
+    # The tier keeps two loads in flight per connection (prefetch's per-tier limit): the
+    # server answers the second right after the first, with no round trip between chunks.
     client = RemoteClient("127.0.0.1", 1, options=ClientOptions(pool_size=3))
-    assert RemoteTier(TkvConnector(client)).read_parallelism == 3
+    assert RemoteTier(TkvConnector(client)).read_parallelism == 6
     for bad in (0, -1, 2.0, True):
         with pytest.raises(RemoteError, match="pool_size"):
             ClientOptions(pool_size=bad)  # type: ignore[arg-type]

@@ -192,7 +192,7 @@ async def _l3_row(
         l3 = remote_tier(dataclasses.replace(config, l3_url=f"tkv://127.0.0.1:{port}"))
         engine = await _filled_engine(config, l3, caches, tokens)
         try:
-            streams = l3.read_parallelism
+            streams = l3.connector.connections
             times = await _time_prefetch(engine, tokens, args.reps)
         finally:
             await engine.aclose()

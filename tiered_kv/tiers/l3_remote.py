@@ -117,8 +117,9 @@ class RemoteTier(LowerTier):
 
     @property
     def read_parallelism(self) -> int:
-        """The connector's connections: one load in flight per connection."""
-        return self.connector.connections
+        """The connector's connections, each with `RemoteConnector.pipeline_depth` loads in
+        flight."""
+        return self.connector.connections * self.connector.pipeline_depth
 
     # -- lifetime ---------------------------------------------------------------------------
     async def open(self) -> None:

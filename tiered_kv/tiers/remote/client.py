@@ -717,6 +717,10 @@ class TkvConnector(RemoteConnector):
         self.client = client
         self.description = f"tkv://{client.host}:{client.port}"
 
+    # Two GETs queued per connection: its thread sends both, and the server's next answer
+    # follows the last one's bytes at once (no round trip per chunk).
+    pipeline_depth = 2
+
     @property
     def connections(self) -> int:
         return self.client.options.connections

@@ -110,10 +110,14 @@ class RemoteConnector(abc.ABC):
         `get_into`; must not block. Default: nothing to do."""
         return None
 
+    # Requests worth queuing on one connection at once: a store that answers them back to back
+    # takes 2, so the next answer follows the last with no idle round trip between chunks.
+    pipeline_depth: int = 1
+
     @property
     def connections(self) -> int:
-        """Requests the connector serves at once (its connections): the tier's
-        ``read_parallelism``, so a load keeps each connection busy."""
+        """Requests the connector serves at once (its connections); times `pipeline_depth`,
+        the tier's ``read_parallelism``, so a load keeps each connection busy."""
         return default_pool_size()
 
     async def remote_stats(self) -> Mapping[str, int | float]:
