@@ -154,6 +154,8 @@ async def test_store_can_leave_out_a_prefix_and_prefetch_can_start_past_it() -> 
             await engine.store(TOKENS, list(range(7)), skip_prefix_tokens=16)
         assert await engine.store(TOKENS, list(range(7)), skip_prefix_tokens=64) == 36
         assert await engine.lookup(TOKENS) == 0
+        keys = engine.chunk_keys(TOKENS)
+        assert [engine.tier_of(key) for key in keys] == [None, None, "L1", "L1"]
         handle = await engine.prefetch(TOKENS, from_token=70)
         assert handle.first_chunk == 2
         assert handle.ready_chunks() == [True, True]

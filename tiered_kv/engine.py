@@ -298,6 +298,11 @@ class TieredKVEngine:
         reg = self._registration(model_name)
         return self._key_list(reg, _whole_blocks(reg, token_ids), salt)
 
+    def tier_of(self, key: ChunkKey) -> str | None:
+        """The highest tier whose index holds ``key`` (no I/O: a remote tier answers from the
+        keys it has seen), or None."""
+        return self._require_storage().tier_of(key)
+
     def _key_list(
         self, reg: Registration, token_ids: TokenIds, salt: KeySalt | None = None
     ) -> list[ChunkKey]:

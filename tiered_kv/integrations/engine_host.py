@@ -417,12 +417,19 @@ class EngineHost(SyncTieredKVEngine):
     ) -> PrefetchHandle:
         """The prefetch of the cached prefix, extended into the first chunk it misses by the
         longest stored partial chunk there (a prompt stored with a partial last chunk, which a
-        longer follow-up extends): its key is that of the prefix cut at a whole block."""
+        longer follow-up extends): its key is that of the prefix cut at a whole block. Partial
+        chunks are looked for in the tiers' indexes (no I/O per candidate: a remote tier knows
+        the keys it has seen)."""
         handle = await self._engine.prefetch(token_ids, model_name=model_name, salt=salt)
         hit, chunk, block = handle.hit_tokens, self.config.chunk_size, max(self._block_size, 1)
         if hit >= len(token_ids) or hit % chunk:
             return handle
         for length in range(min(chunk - block, len(token_ids) - hit) // block * block, 0, -block):
+            keys = self._engine.chunk_keys(
+                token_ids[: hit + length], model_name=model_name, salt=salt
+            )
+            if self._engine.tier_of(keys[-1]) is None:
+                continue
             partial = await self._engine.prefetch(
                 token_ids[: hit + length], model_name=model_name, salt=salt
             )
