@@ -46,6 +46,7 @@ class _DecayingFit:
         self.count = 0
         self._xtx = [[0.0] * features for _ in range(features)]
         self._xty = [0.0] * features
+        self._solved: tuple[list[float] | None] | None = None  # until the next `add`
 
     def add(self, x: Sequence[float], y: float) -> None:
         n = len(self._xty)
@@ -55,8 +56,14 @@ class _DecayingFit:
             for j in range(n):
                 row[j] = self.keep * row[j] + x[i] * x[j]
         self.count += 1
+        self._solved = None
 
     def solve(self) -> list[float] | None:
+        if self._solved is None:
+            self._solved = (self._solve(),)
+        return self._solved[0]
+
+    def _solve(self) -> list[float] | None:
         n = len(self._xty)
         # Columns scaled to a unit diagonal first: the features differ by many orders.
         d = [math.sqrt(self._xtx[i][i]) for i in range(n)]
@@ -160,11 +167,14 @@ class TierCost:
         """Predicted time to read these chunks, `parallelism` at a time; 0 for none."""
         if not chunk_bytes:
             return 0.0
-        mean = sum(chunk_bytes) / len(chunk_bytes)
-        one = self.chunk_seconds(round(mean))
+        return self.chunks_seconds(len(chunk_bytes), round(sum(chunk_bytes) / len(chunk_bytes)))
+
+    def chunks_seconds(self, count: int, nbytes: int) -> float | None:
+        """Predicted time to read ``count`` chunks of ``nbytes``, `parallelism` at a time."""
+        one = self.chunk_seconds(nbytes)
         if one is None:
             return None
-        return math.ceil(len(chunk_bytes) / self.parallelism) * one
+        return math.ceil(count / self.parallelism) * one
 
     def throughput_bps(self) -> float | None:
         """Aggregate bytes per second at full parallelism for chunks of the usual size."""
@@ -259,7 +269,7 @@ def choose_claim(
                 per_tier[tier] = per_tier.get(tier, 0) + 1
         load = 0.0
         for tier, count in per_tier.items():
-            seconds = tiers[tier].load_seconds([chunk_bytes] * count)
+            seconds = tiers[tier].chunks_seconds(count, chunk_bytes)
             if seconds is None:
                 return everything  # no estimate for a tier this claim needs: load it all
             load = max(load, seconds)
