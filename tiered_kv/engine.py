@@ -36,7 +36,7 @@ from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest
 from tiered_kv.retrieval import RetrieveResult as RetrieveResult  # re-exported: public here too
 from tiered_kv.storage import StorageManager
 from tiered_kv.tiers import factory as tier_factory
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.tiers.base import LowerTier, TierEventLog
 from tiered_kv.tiers.l1 import L1Tier
 
 logger = logging.getLogger(__name__)
@@ -186,6 +186,13 @@ class TieredKVEngine:
         Chunks still waiting for their lower-tier write are referenced by the write queue and stay.
         """
         return self._require_storage().l1.evict_unreferenced(max_bytes)
+
+    def watch_tiers(self, capacity: int = 8192) -> TierEventLog:
+        """A bounded `TierEventLog` of chunks entering and leaving every tier from now on (a
+        router's KV events are made from it); one listener: a new call replaces the old log."""
+        log = TierEventLog(capacity)
+        self._require_storage().watch(log)
+        return log
 
     async def aclose(self) -> None:
         """Refuse new calls, let the calls in flight finish and flush pending writes (together

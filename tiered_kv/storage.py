@@ -25,7 +25,7 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import snapshot
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.tiers.base import LowerTier, TierEventLog
 from tiered_kv.tiers.l1 import L1Tier
 
 logger = logging.getLogger(__name__)
@@ -228,6 +228,16 @@ class StorageManager:
         self.lower_read_seconds = 0.0
         if any(policy == WRITE_BACK for policy in self._policies):
             l1.on_evict = self._on_l1_evict
+        self.events: TierEventLog | None = None
+
+    def watch(self, events: TierEventLog | None) -> None:
+        """Record chunks entering and leaving every tier in ``events`` from now on (None: stop):
+        L1 commits and removals, lower-tier writes that succeed, and what lower tiers drop on
+        their own. Chunks already in a tier are not announced."""
+        self.events = events
+        self.l1.events = events
+        for tier in self.lower:
+            tier.events = events
 
     async def open(self) -> None:
         for index, (tier, policy) in enumerate(zip(self.lower, self._policies, strict=True)):
@@ -400,6 +410,8 @@ class StorageManager:
                     wq.done += 1
                     wq.bytes_written += obj.nbytes
                     wq.write_seconds += time.perf_counter() - start
+                    if self.events is not None:
+                        self.events.emit("stored", wq.tier.name, key, obj.num_tokens)
                 else:
                     wq.failed += 1
             except asyncio.CancelledError:

@@ -4,7 +4,8 @@ SPEC: {"model": dir, "connector": extra config dict or null, "role": "kv_both",
 "multiprocess": false, "block_size": 32, "max_tokens": 8 or [per batch], "batches": [[token
 lists], ...], "load_failure_policy": "recompute", "enable_prefix_caching": true,
 "max_num_batched_tokens": n, "kv_cache_memory_bytes": n, "max_model_len": n, "max_num_seqs": n,
-"kill_before_batch": {"index": pid}, "lora_modules": {name: [int id, path]}, "max_lora_rank": n}.
+"kill_before_batch": {"index": pid}, "lora_modules": {name: [int id, path]}, "max_lora_rank": n,
+"kv_events_endpoint": "ipc://..." (vLLM publishes its KV events there over ZMQ, topic "kv")}.
 A prompt is a list of token ids or {"tokens": [...], "cache_salt": str, "lora": name,
 "image_seed": n} (a random 32x32 image made from the seed; the spec then needs "images": true).
 Each batch
@@ -54,6 +55,15 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs.update(enable_lora=True, max_lora_rank=spec.get("max_lora_rank", 8), max_loras=2)
     if spec.get("images"):
         kwargs["limit_mm_per_prompt"] = {"image": 1}
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=spec["kv_events_endpoint"],
+            topic="kv",
+        )
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True

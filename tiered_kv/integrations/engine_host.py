@@ -3,8 +3,10 @@
 Owns the engine, its loop thread, the per-request prefetches that lookups start (keyed by the
 serving stack's request id, released when the request is loaded, finished or abandoned; once a
 lookup has answered, the L1 chunks of its answer are pinned there until then, within a byte
-budget and a deadline, so that the claim holds), and the
-`LookupServer` that answers a scheduler in another thread or process. Blocking methods are for
+budget and a deadline, so that the claim holds), the
+`LookupServer` that answers a scheduler in another thread or process, and, while someone
+watches the tiers (`watch_tiers`), the token ids of recently stored or looked-up chunks, so
+that tier events can say which tokens a chunk holds (`tier_events`). Blocking methods are for
 the worker's own threads; everything touching the engine or the prefetches runs on the loop.
 Must not import a serving stack or touch KV bytes itself (the engine's mover does).
 """
@@ -27,7 +29,7 @@ from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve
 from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore, SyncTieredKVEngine
-from tiered_kv.tiers.base import LowerTier
+from tiered_kv.tiers.base import LowerTier, TierEvent, TierEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,20 @@ def window_start(end: int, sliding_window: int, block_size: int) -> int:
     """The first token whose KV a sliding-window group still reads after ``end`` tokens,
     rounded down to a block: vLLM drops the blocks wholly before ``end - window + 1``."""
     return max(0, end - sliding_window + 1) // block_size * block_size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedTierEvent:
+    """A `TierEvent` with what the host knows of its chunk: the previous chunk's hash in the
+    prefix chain (None for a prefix's first chunk) and the chunk's token ids; both None when the
+    host never saw the chunk's tokens (a chunk found on disk at start-up and evicted unseen)."""
+
+    event: TierEvent
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...] | None
+
+
+_NO_TOKENS = (None, None)
 
 
 @dataclasses.dataclass(slots=True)
@@ -118,6 +134,10 @@ class EngineHost(SyncTieredKVEngine):
         self._model_name: str | None = None
         self._groups: list[LayerGroup] = []  # set by `register_kv_caches` (sliding_window=)
         self._block_size = 0
+        self._tier_events: TierEventLog | None = None  # set by `watch_tiers`
+        # chunk hash -> (the previous chunk's hash, the chunk's tokens), most recent last
+        self._chunk_tokens: OrderedDict[bytes, tuple[bytes | None, tuple[int, ...]]] = OrderedDict()
+        self._chunk_tokens_max = 0
         super().__init__(config, lower_tiers=lower_tiers)
 
     def register_kv_caches(
@@ -242,6 +262,8 @@ class EngineHost(SyncTieredKVEngine):
             )
             self.counters.stores += 1
             self.counters.stored_tokens += stored
+            if self._tier_events is not None:
+                self._remember_tokens(token_ids, model_name, salt)
             return stored
 
         return self._call(store())
@@ -266,9 +288,42 @@ class EngineHost(SyncTieredKVEngine):
             out["host"] = dict(dataclasses.asdict(self.counters))
             out["host"]["prefetches_held"] = len(self._lookups)
             out["host"]["pinned_bytes"] = self._pinned_bytes()
+            events = self._tier_events
+            out["host"]["tier_events"] = 0 if events is None else events.emitted
+            out["host"]["tier_events_dropped"] = 0 if events is None else events.dropped
             return out
 
         return self._call(stats())
+
+    def watch_tiers(self, capacity: int = 8192, remembered_chunks: int = 8192) -> None:
+        """Record chunks entering and leaving every tier from now on (`tier_events` drains
+        them): at most ``capacity`` undrained events (the oldest are dropped beyond, counted in
+        ``tier_events_dropped``), and the tokens of the last ``remembered_chunks`` chunks stored
+        or looked up, for the events' token ids."""
+        if remembered_chunks < 1:
+            raise ValueError(f"remembered_chunks: expected >= 1, got {remembered_chunks}")
+
+        def watch() -> None:
+            self._chunk_tokens_max = remembered_chunks
+            self._tier_events = self._engine.watch_tiers(capacity)
+
+        self._run_on_loop(watch)
+
+    def tier_events(self) -> list[ResolvedTierEvent]:
+        """The tier events since the last call, oldest first, with their chunks' tokens where
+        known; [] at once (no hop to the loop) when there are none or nobody watches."""
+        log = self._tier_events
+        if log is None or not len(log) or self._closed:
+            return []
+
+        def drain() -> list[ResolvedTierEvent]:
+            tokens = self._chunk_tokens
+            return [
+                ResolvedTierEvent(event, *tokens.get(event.key.chunk_hash, _NO_TOKENS))
+                for event in log.drain()
+            ]
+
+        return self._run_on_loop(drain)
 
     def close(self) -> None:
         """Stop serving lookups, free every prefetch, close the engine (flushing pending lower-
@@ -290,6 +345,26 @@ class EngineHost(SyncTieredKVEngine):
             super().close()
 
     # -- on the loop ------------------------------------------------------------------------
+    def _remember_tokens(
+        self, token_ids: Sequence[int], model_name: str | None, salt: KeySalt | None
+    ) -> None:
+        """Keep the tokens of ``token_ids``'s chunks (whole blocks) for tier events."""
+        keys = self._engine.chunk_keys(token_ids, model_name=model_name, salt=salt)
+        chunk, remembered = self.config.chunk_size, self._chunk_tokens
+        block = max(self._block_size, 1)
+        token_ids = token_ids[: len(token_ids) // block * block]  # as the keys cover them
+        parent: bytes | None = None
+        for index, key in enumerate(keys):
+            chunk_hash = key.chunk_hash
+            if chunk_hash in remembered:
+                remembered.move_to_end(chunk_hash)
+            else:
+                tokens = tuple(token_ids[index * chunk : (index + 1) * chunk])
+                remembered[chunk_hash] = (parent, tokens)
+            parent = chunk_hash
+        while len(remembered) > self._chunk_tokens_max:
+            remembered.popitem(last=False)
+
     async def answer_lookup(
         self,
         request_id: str,
@@ -319,6 +394,9 @@ class EngineHost(SyncTieredKVEngine):
             if lookup is not None:
                 lookup.cancel()
             handles = await self._prefetch_groups(groups, token_ids, salt, limit)
+            if self._tier_events is not None:  # chunks it promotes into L1 are announced
+                for group in groups:
+                    self._remember_tokens(token_ids, group.model_name, salt)
             deadline = None
             if self.config.prefetch_policy == "timeout":
                 hit = max(handle.hit_tokens for handle in handles)
@@ -436,6 +514,8 @@ class EngineHost(SyncTieredKVEngine):
             if partial.hit_tokens == hit + length:
                 handle.cancel()
                 self.counters.partial_chunk_hits += 1
+                if self._tier_events is not None:
+                    self._remember_tokens(token_ids[: hit + length], model_name, salt)
                 return partial
             partial.cancel()
         return handle

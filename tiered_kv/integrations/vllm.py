@@ -38,7 +38,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +56,7 @@ from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.engine_host import EngineHost, window_start
 from tiered_kv.integrations.fingerprint import adapter_digest, model_fingerprint
+from tiered_kv.integrations.kv_events import EventGroup, TieredKVEvents, to_vllm_events
 from tiered_kv.integrations.lookup_channel import (
     LookupClient,
     default_socket_dir,
@@ -65,6 +67,7 @@ from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -220,6 +223,7 @@ _HOST_STATS = (
     "lookups",
     "lookups_pending",
     "lookup_seconds",
+    "tier_events_dropped",
 )
 # Worker-side stats: name -> the engine-host stats entries (section, key) it sums.
 WORKER_STATS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -237,7 +241,12 @@ SCHEDULER_STATS = (
     "scheduler_lookups_pending",
     "scheduler_lookup_latency_seconds",
     "claimed_tokens",
+    "kv_events_dropped",
 )
+# Router events the scheduler holds between a step's output and vLLM's next `take_events`
+# (called every step, so only a publisher that stopped draining reaches it): the oldest beyond
+# are dropped and counted in ``kv_events_dropped``.
+PENDING_EVENTS_MAX = 1 << 16
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -327,6 +336,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._socket_dir = self.options.lookup_socket_dir or default_socket_dir()
         self._groups = layer_groups(kv_cache_config, self._block_size)
         self._hybrid = len(self._groups) > 1
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        # Router events (docs/vllm.md, "KV events"): only when vLLM publishes KV events.
+        self._publish_events = bool(events_config and events_config.enable_kv_cache_events)
+        self._pending_events: deque[KVCacheEvent] = deque()
+        self._event_groups: dict[str, EventGroup] = {}  # worker: model name in keys -> group
         self._finished_recving: set[str] = set()  # hybrid: async loads done this step
         self._failed_recving: set[str] = set()  # hybrid: ... and those that fell short
         # scheduler side
@@ -414,6 +428,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 layout_hints=hints,
             )
         host.serve_lookups(socket_path(self._socket_dir, self._instance_id, rank))
+        if self._publish_events and rank == 0:  # rank 0's tiers speak for the instance
+            self._event_groups = self._groups_for_events()
+            host.watch_tiers()
         layerwise = self.engine_config.layerwise
         if self._hybrid and layerwise:
             raise ConfigError(
@@ -557,6 +574,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 skip_prefix_tokens=skip,
             )
 
+    def _groups_for_events(self) -> dict[str, EventGroup]:
+        """Model name in chunk keys -> what KV events say of its group."""
+        if not self._hybrid:
+            return {self._model_name: EventGroup()}
+        return {
+            self._group_model(index): EventGroup(
+                index,
+                "full_attention" if group.sliding_window is None else "sliding_window",
+                group.sliding_window,
+            )
+            for index, group in enumerate(self._groups)
+        }
+
     def _group_model(self, index: int) -> str:
         """The model name of a hybrid model's group ``index`` in chunk keys."""
         return f"{self._model_name}#g{index}"
@@ -693,6 +723,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._stats_last[name] = value
         stats_obj = TieredKVConnectorStats(data=data)
         return None if stats_obj.is_empty() else stats_obj
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """Worker: this step's tier activity as vLLM KV events (rank 0 only; None when there
+        was none or vLLM publishes no KV events)."""
+        host = self._host
+        if host is None or not self._event_groups:
+            return None
+        try:
+            events = to_vllm_events(host.tier_events(), self._event_groups)
+        except Exception:  # events are advisory: never fail a step for them
+            self.failures += 1
+            logger.warning("TieredKVConnector: KV events failed", exc_info=True)
+            return None
+        return TieredKVEvents(events) if events else None
 
     @classmethod
     def build_kv_connector_stats(
@@ -886,7 +930,21 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return
+        events = connector_output.kv_cache_events
+        if not self._publish_events or not isinstance(events, TieredKVEvents):
+            return
+        pending = self._pending_events
+        pending.extend(events.get_all_events())
+        overflow = len(pending) - PENDING_EVENTS_MAX
+        if overflow > 0:
+            for _ in range(overflow):
+                pending.popleft()
+            self._scheduler_stats["kv_events_dropped"] += overflow
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler: the workers' tier events since the last call, for vLLM's publisher."""
+        pending, self._pending_events = self._pending_events, deque()
+        return pending
 
     # -- helpers ---------------------------------------------------------------------------
     def _state(self, request: Request) -> _RequestState:

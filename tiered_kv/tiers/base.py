@@ -13,13 +13,19 @@ Contract for implementers:
   the key and the checksum.
 - ``name`` keys the tier's write policy and its statistics: an engine refuses two tiers of one
   name, compared without case (L1's included).
+- ``events``: None unless someone listens (`StorageManager.watch`). A tier that drops chunks on
+  its own (its eviction, a corrupt copy, `remove`) emits ``removed`` for each there; stores are
+  announced by the storage manager when a write succeeds, so a tier never announces them.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import threading
+from collections import deque
 from collections.abc import Sequence
+from typing import Literal
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
@@ -44,8 +50,64 @@ DEFAULT_READ_PARALLELISM = 8
 TIER_OCCUPANCY = tuple(field.name for field in dataclasses.fields(TierStats))
 
 
+TierEventKind = Literal["stored", "removed"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierEvent:
+    """A chunk entered (``stored``) or left (``removed``) the tier named ``tier``.
+
+    ``num_tokens`` is the chunk's token count for a store, 0 for a removal (not known there)."""
+
+    kind: TierEventKind
+    tier: str
+    key: ChunkKey
+    num_tokens: int = 0
+
+
+class TierEventLog:
+    """Tier activity for one listener (a router's feed), in the order it happened.
+
+    Emitted on the engine's loop, drained from any thread (`drain`). Bounded: past ``capacity``
+    undrained events the oldest are dropped and counted in ``dropped``, so a listener that stops
+    draining costs memory up to the bound, never more. Tiers hold None when nobody listens, so
+    the cost then is one attribute test per store or removal.
+    """
+
+    __slots__ = ("_events", "_lock", "capacity", "dropped", "emitted")
+
+    def __init__(self, capacity: int = 8192) -> None:
+        if capacity < 1:
+            raise ValueError(f"TierEventLog capacity: expected >= 1, got {capacity}")
+        self.capacity = capacity
+        self._events: deque[TierEvent] = deque()
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self.emitted = 0
+
+    def emit(self, kind: TierEventKind, tier: str, key: ChunkKey, num_tokens: int = 0) -> None:
+        event = TierEvent(kind, tier, key, num_tokens)
+        with self._lock:
+            if len(self._events) >= self.capacity:
+                self._events.popleft()
+                self.dropped += 1
+            self._events.append(event)
+            self.emitted += 1
+
+    def drain(self) -> list[TierEvent]:
+        """Every event not drained yet, oldest first."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
 class LowerTier(abc.ABC):
     name: str
+    events: TierEventLog | None = None
 
     @property
     def read_parallelism(self) -> int:

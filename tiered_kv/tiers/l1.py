@@ -20,6 +20,7 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.snapshot import snapshot
+from tiered_kv.tiers.base import TierEventLog
 
 # Called before an entry leaves the tier. Returning False refuses the eviction (the entry stays);
 # None or True let it go. A hook that needs the bytes afterwards takes its own reference.
@@ -44,6 +45,7 @@ class L1Tier:
     def __init__(self, arena: HostArena, *, on_evict: EvictHook | None = None) -> None:
         self.arena = arena
         self.on_evict = on_evict
+        self.events: TierEventLog | None = None  # set while someone listens (`TierEventLog`)
         self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
         self._bytes = 0
         self._dirty: set[ChunkKey] = set()
@@ -75,6 +77,8 @@ class L1Tier:
             return False
         self._entries[key] = obj.ref()
         self._bytes += obj.nbytes
+        if self.events is not None:
+            self.events.emit("stored", self.name, key, obj.num_tokens)
         return True
 
     def get(self, key: ChunkKey) -> MemoryObj | None:
@@ -125,6 +129,8 @@ class L1Tier:
         self._bytes -= obj.nbytes
         self._dirty.discard(key)
         obj.unref()
+        if self.events is not None:
+            self.events.emit("removed", self.name, key)
         return True
 
     def evict_unreferenced(self, max_bytes: int | None = None) -> int:

@@ -154,7 +154,12 @@ class RemoteTier(LowerTier):
             self._known.popitem(last=False)
 
     def _forget(self, key: ChunkKey) -> None:
-        self._known.pop(key, None)
+        """``key`` is gone from the store (checked, read as missing, or deleted here): a known
+        key's departure is announced (the store's own evictions are learnt only so)."""
+        if key in self._known:
+            del self._known[key]
+            if self.events is not None:
+                self.events.emit("removed", self.name, key)
 
     def _failed(self, what: str, key: ChunkKey | None, exc: Exception) -> None:
         if isinstance(exc, TimeoutError):

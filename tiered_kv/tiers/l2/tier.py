@@ -303,6 +303,9 @@ class DiskTier(LowerTier):
 
     async def _unlink_entries(self, victims: Sequence[tuple[ChunkKey, Entry]]) -> None:
         """Delete files already dropped from the index; their keys stay busy meanwhile."""
+        if self.events is not None:
+            for key, _ in victims:
+                self.events.emit("removed", self.name, key)
         events = [(key, asyncio.Event()) for key, _ in victims]
         self._busy.update(events)
         self._bytes_deleted += sum(entry.size for _, entry in victims)
