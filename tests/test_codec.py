@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import random
 import struct
 import sys
@@ -21,22 +22,27 @@ from tiered_kv.codec import (
     DEFAULT_LIMITS,
     DTYPE_CODES,
     DTYPE_ITEMSIZES,
+    FORMAT_VERSION,
     MAGIC,
     MIN_HEADER_LEN,
     PAYLOAD_ALIGN,
     PREFIX_LEN,
+    STRIPE_BYTES,
     BytesLike,
     ChunkHeader,
     CodecLimits,
     GroupSpec,
+    PayloadHasher,
     check_encodable,
+    check_payload_checksums,
     decode_chunk,
     decode_header,
     encode_chunk,
     encode_header,
     encoded_header_len,
     header_length,
-    payload_checksum,
+    payload_checksums,
+    stripe_count,
 )
 from tiered_kv.errors import CodecError
 from tiered_kv.layout import DTYPE_NAMES
@@ -69,9 +75,10 @@ def raw_header(
     key: bytes = b"k",
     num_tokens: int = 1,
     groups: Sequence[tuple[int, Sequence[int], int, int]] = ((7, (4,), 0, 4),),
-    payload_sum: int = 0,
+    payload_sums: Sequence[int] = (0,),
+    stripe_len: int = STRIPE_BYTES,
     magic: bytes = MAGIC,
-    version: int = 1,
+    version: int = FORMAT_VERSION,
     flags: int = 0,
     key_len: int | None = None,
     group_count: int | None = None,
@@ -92,13 +99,15 @@ def raw_header(
     ]
     for code, dims, offset, length in groups:
         body.append(struct.pack(f"<BB{len(dims)}QQQ", code, len(dims), *dims, offset, length))
+    body.append(struct.pack("<I", stripe_len))
     body.append(extra)
+    sums = struct.pack(f"<{len(payload_sums)}Q", *payload_sums)
     if padding is None:
-        unpadded = PREFIX_LEN + len(b"".join(body)) + 4 + 8 + 8
+        unpadded = PREFIX_LEN + len(b"".join(body)) + 4 + len(sums) + 8
         padding = bytes(-unpadded % PAYLOAD_ALIGN)
     body.append(struct.pack("<I", len(padding) if pad_len is None else pad_len))
     body.append(padding)
-    body.append(struct.pack("<Q", payload_sum))
+    body.append(sums)
     content = b"".join(body)
     length = PREFIX_LEN + len(content) + 8 if header_len is None else header_len
     head = struct.pack("<4sHHI", magic, version, flags, length) + content
@@ -157,7 +166,8 @@ def test_round_trip(key: bytes, num_tokens: int, groups: list[GroupSpec], seed: 
     assert header.header_len == len(parts[0])
     assert header.total_len == len(data)
     assert header.payload_len == sum(len(b) for b in buffers)
-    assert header.payload_checksum == payload_checksum(buffers)
+    assert header.stripe_checksums == payload_checksums(buffers)
+    assert len(header.stripe_checksums) == stripe_count(header.payload_len)
     assert [bytes(p) for p in payloads] == buffers
     assert decode_header(data) == header
     assert decode_header(data[: header.header_len]) == header
@@ -175,18 +185,19 @@ def test_group_offsets_are_back_to_back() -> None:
     ("key_len", "header_len"),
     [
         (0, PAYLOAD_ALIGN),
-        (4028, PAYLOAD_ALIGN),
-        (4029, 2 * PAYLOAD_ALIGN),
+        (4024, PAYLOAD_ALIGN),
+        (4025, 2 * PAYLOAD_ALIGN),
         (4096, 2 * PAYLOAD_ALIGN),
     ],
 )
 def test_payload_offset_is_aligned_at_the_padding_boundaries(key_len: int, header_len: int) -> None:
-    # 42 fixed header bytes and 26 for one 1-D group: a 4028-byte key needs no padding at all.
+    # 38 fixed header bytes, 8 for one stripe's checksum and 26 for one 1-D group: a 4024-byte
+    # key needs no padding at all.
     groups = [GroupSpec("int8", (5,))]
     parts = encode_chunk(b"x" * key_len, 1, groups, [b"12345"])
     assert len(parts[0]) == header_len == encoded_header_len(key_len, groups)
     assert check_encodable(b"x" * key_len, 1, groups) == header_len
-    pad_len = header_len - 42 - 26 - key_len
+    pad_len = header_len - 38 - 8 - 26 - key_len
     assert 0 <= pad_len < PAYLOAD_ALIGN
     assert struct.unpack_from("<I", parts[0], header_len - 20 - pad_len)[0] == pad_len
     assert parts[0][header_len - 16 - pad_len : header_len - 16] == bytes(pad_len)
@@ -210,10 +221,41 @@ def test_encode_and_decode_are_zero_copy() -> None:
     assert payloads[0][0] == 0xFF  # a view into ``data``, not a copy
 
 
-def test_payload_checksum_streams_over_buffers() -> None:
+def test_payload_checksums_stream_over_buffers() -> None:
     parts: list[BytesLike] = [b"abc", memoryview(b"defgh"), bytearray(b"ij")]
-    assert payload_checksum(parts) == xxhash.xxh3_64_intdigest(b"abcdefghij")
-    assert payload_checksum([]) == xxhash.xxh3_64_intdigest(b"")
+    assert payload_checksums(parts) == (xxhash.xxh3_64_intdigest(b"abcdefghij"),)
+    assert payload_checksums([]) == ()
+
+
+@pytest.mark.parametrize("cuts", [(), (1,), (STRIPE_BYTES,), (STRIPE_BYTES - 1, STRIPE_BYTES + 5)])
+@pytest.mark.parametrize("length", [STRIPE_BYTES, 2 * STRIPE_BYTES + 3])
+def test_payload_checksums_are_per_stripe_wherever_the_pieces_end(
+    length: int, cuts: tuple[int, ...]
+) -> None:
+    """Each stripe hashes on its own, whatever pieces the bytes arrive in."""
+    payload = random.Random(length).randbytes(length)
+    stripes = [payload[at : at + STRIPE_BYTES] for at in range(0, length, STRIPE_BYTES)]
+    expected = tuple(xxhash.xxh3_64_intdigest(stripe) for stripe in stripes)
+    bounds = [0, *(cut for cut in cuts if cut < length), length]
+    hasher = PayloadHasher()
+    for start, end in itertools.pairwise(bounds):
+        hasher.update(memoryview(payload)[start:end])
+    assert hasher.digests() == expected == payload_checksums([payload])
+    assert len(expected) == stripe_count(length)
+
+
+def test_a_flip_names_its_stripe() -> None:
+    groups = [GroupSpec("uint8", (STRIPE_BYTES + 10,))]
+    frame = bytearray(frame_bytes(b"k", 1, groups, random_buffers(groups, 3)))
+    header = decode_header(frame)
+    assert len(header.stripe_checksums) == 2
+    frame[header.header_len + STRIPE_BYTES + 4] ^= 0x10
+    with pytest.raises(CodecError, match="mismatch in stripe 1 "):
+        decode_chunk(bytes(frame))
+    lost = check_payload_checksums(header, [header.stripe_checksums[0], None])
+    assert lost == "stripe 1 was not read in full"
+    assert check_payload_checksums(header, list(header.stripe_checksums)) is None
+    assert check_payload_checksums(header, [0]) == "payload of 1 stripes, the header vouches for 2"
 
 
 def test_decode_accepts_typed_and_multidimensional_views() -> None:
@@ -291,22 +333,24 @@ def test_encoder_refuses_what_the_decoder_would_refuse() -> None:
     small = CodecLimits(max_key_bytes=4, max_groups=2, max_ndim=2, max_payload_bytes=100)
     one = [GroupSpec("uint8", (4,))]
     with pytest.raises(CodecError, match="max_key_bytes"):
-        encode_header(b"12345", 1, one, 0, limits=small)
+        encode_header(b"12345", 1, one, [0], limits=small)
     with pytest.raises(CodecError, match="max_groups"):
-        encode_header(b"", 1, one * 3, 0, limits=small)
+        encode_header(b"", 1, one * 3, [0], limits=small)
     with pytest.raises(CodecError, match="group count"):
-        encode_header(b"", 1, [], 0)
+        encode_header(b"", 1, [], [])
     with pytest.raises(CodecError, match="max_ndim"):
-        encode_header(b"", 1, [GroupSpec("uint8", (1, 1, 1))], 0, limits=small)
+        encode_header(b"", 1, [GroupSpec("uint8", (1, 1, 1))], [0], limits=small)
     with pytest.raises(CodecError, match="max_payload_bytes"):
-        encode_header(b"", 1, [GroupSpec("uint8", (101,))], 0, limits=small)
+        encode_header(b"", 1, [GroupSpec("uint8", (101,))], [0], limits=small)
     with pytest.raises(CodecError, match="max_header_bytes"):
         # 4029 key bytes make the header 4097 bytes before padding, 8192 after
-        encode_header(b"k" * 4029, 1, one, 0, limits=CodecLimits(max_header_bytes=MIN_HEADER_LEN))
+        encode_header(b"k" * 4029, 1, one, [0], limits=CodecLimits(max_header_bytes=MIN_HEADER_LEN))
     with pytest.raises(CodecError, match="num_tokens"):
-        encode_header(b"", 2**32, one, 0)
-    with pytest.raises(CodecError, match="payload_checksum"):
-        encode_header(b"", 1, one, 2**64)
+        encode_header(b"", 2**32, one, [0])
+    with pytest.raises(CodecError, match="stripe_checksums must be in"):
+        encode_header(b"", 1, one, [2**64])
+    with pytest.raises(CodecError, match="2 given, the payload has 1 stripes"):
+        encode_header(b"", 1, one, [0, 0])
 
 
 def test_encode_chunk_checks_buffers() -> None:
@@ -322,7 +366,7 @@ def test_encode_chunk_checks_buffers() -> None:
 
 # -- hostile frames: refused before anything is sized by them -------------------------------
 def test_huge_header_len_in_prefix_is_refused() -> None:
-    prefix = struct.pack("<4sHHI", MAGIC, 1, 0, 2**32 - 1)
+    prefix = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, 2**32 - 1)
     with allocation_bound(), pytest.raises(CodecError, match="header_len"):
         header_length(prefix)
     with allocation_bound(), pytest.raises(CodecError, match="header_len"):
@@ -333,11 +377,17 @@ def test_huge_payload_claim_is_refused_before_allocation() -> None:
     header = raw_header(groups=[(7, (2**60,), 0, 2**60)])
     with allocation_bound(), pytest.raises(CodecError, match="max_payload_bytes"):
         decode_chunk(header)
-    # Even with limits that allow it, a frame claiming 2**60 bytes is only a short read.
+    # Even with limits that allow it, a header too short for its stripes' checksums is refused.
     roomy = CodecLimits(max_payload_bytes=2**62)
-    assert decode_header(header, roomy).payload_len == 2**60
+    with allocation_bound(), pytest.raises(CodecError, match="cannot hold the 274877906944 stripe"):
+        decode_header(header, roomy)
+    # A claim the header can vouch for is only a short read.
+    claim = raw_header(
+        groups=[(7, (3 * STRIPE_BYTES,), 0, 3 * STRIPE_BYTES)], payload_sums=(1, 2, 3)
+    )
+    assert decode_header(claim).stripe_checksums == (1, 2, 3)
     with allocation_bound(), pytest.raises(CodecError, match="truncated payload"):
-        decode_chunk(header + b"\0" * 64, roomy)
+        decode_chunk(claim + b"\0" * 64)
 
 
 def test_dims_overflowing_u64_product_are_refused() -> None:
@@ -351,7 +401,7 @@ def test_dims_overflowing_u64_product_are_refused() -> None:
     ("fields", "message"),
     [
         ({"magic": b"TKVX"}, "bad magic"),
-        ({"version": 2}, "unsupported format version"),
+        ({"version": 1}, "unsupported format version 1; this build reads version 2"),
         ({"flags": 1}, "unknown flag bits"),
         ({"flags": 0x8000}, "unknown flag bits"),
         ({"header_len": MIN_HEADER_LEN - 1}, "header_len"),
@@ -369,13 +419,15 @@ def test_dims_overflowing_u64_product_are_refused() -> None:
         ({"groups": [(7, (4,), 0, 4), (7, (4,), 5, 4)]}, "payload offset 5, expected 4"),
         ({"groups": [(1, (4,), 0, 4)]}, "payload length 4 but shape"),
         ({"extra": b"\0" * 3}, "pad_len .* disagrees with header_len"),
+        ({"stripe_len": 1 << 20}, "stripe_len 1048576; this build reads stripes of 4194304"),
+        ({"payload_sums": (0, 0)}, "disagrees with header_len .* the 1 stripe checksums"),
         ({"header_len": PAYLOAD_ALIGN + 1}, "not a multiple of PAYLOAD_ALIGN"),
         ({"pad_len": 0}, "pad_len 0 disagrees"),
-        ({"pad_len": 4026}, "pad_len 4026 disagrees .* leaves 4027 bytes"),
+        ({"pad_len": 4022}, "pad_len 4022 disagrees .* leaves 4023 bytes"),
         ({"pad_len": 2**32 - 1}, "disagrees with header_len"),
-        ({"padding": bytes(4027 + PAYLOAD_ALIGN)}, "at most 4095 are ever needed"),
-        ({"padding": b"\1" + bytes(4026)}, "padding byte 0 of 4027 is 0x01, must be zero"),
-        ({"padding": bytes(4026) + b"\x80"}, "padding byte 4026 of 4027 is 0x80"),
+        ({"padding": bytes(4023 + PAYLOAD_ALIGN)}, "at most 4095 are ever needed"),
+        ({"padding": b"\1" + bytes(4022)}, "padding byte 0 of 4023 is 0x01, must be zero"),
+        ({"padding": bytes(4022) + b"\x80"}, "padding byte 4022 of 4023 is 0x80"),
     ],
 )
 def test_malformed_headers(fields: dict[str, object], message: str) -> None:
@@ -402,8 +454,8 @@ def test_header_len_inconsistent_with_content_fails_checksum_or_parse() -> None:
 def test_raw_header_helper_builds_what_the_encoder_builds() -> None:
     """So the hostile-header tests above start from a faithful frame."""
     groups = [GroupSpec("uint8", (4,))]
-    assert raw_header(payload_sum=payload_checksum([b"abcd"])) == encode_header(
-        b"k", 1, groups, payload_checksum([b"abcd"])
+    assert raw_header(payload_sums=payload_checksums([b"abcd"])) == encode_header(
+        b"k", 1, groups, payload_checksums([b"abcd"])
     )
 
 
@@ -442,7 +494,7 @@ def test_random_bytes(data: bytes) -> None:
 @settings(max_examples=300, deadline=None)
 @given(header_len=st.integers(0, 2**32 - 1), rest=st.binary(max_size=600))
 def test_random_bytes_after_a_valid_prefix(header_len: int, rest: bytes) -> None:
-    data = struct.pack("<4sHHI", MAGIC, 1, 0, header_len) + rest
+    data = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, header_len) + rest
     assert only_codec_error(lambda: decode_chunk(data)) is not None
 
 

@@ -102,6 +102,80 @@ async def test_cancelling_a_queued_job_drops_it() -> None:
     assert ran == []
 
 
+async def test_run_all_runs_parts_at_once_and_returns_their_results_in_order() -> None:
+    pool = BlockingPool("tkv-test-all", 4)
+    barrier = threading.Barrier(4, timeout=10)  # breaks unless four parts run at once
+    threads: set[str] = set()
+
+    def part(i: int) -> int:
+        threads.add(threading.current_thread().name)
+        if i < 4:
+            barrier.wait()
+        return i * 10
+
+    assert await pool.run_all([lambda i=i: part(i) for i in range(6)]) == [0, 10, 20, 30, 40, 50]
+    assert len(threads) == 4
+    assert await pool.run_all([]) == []
+    await pool.aclose()
+
+
+async def test_run_all_raises_the_first_error_after_every_started_part_ended() -> None:
+    pool = BlockingPool("tkv-test-all-err", 2)
+    release = threading.Event()
+    ended: list[str] = []
+    aborted: list[bool] = []
+
+    def failing() -> None:
+        release.wait(10)
+        raise OSError(5, "EIO")
+
+    def slow(abort: threading.Event) -> None:
+        release.set()
+        abort.wait(10)  # the error sets the job's abort event: this part stops early
+        aborted.append(abort.is_set())
+        ended.append("slow")
+
+    def later(abort: threading.Event) -> None:
+        check_abort(abort)  # started after the error: stops at its first check
+        ended.append("later")
+
+    abort = threading.Event()
+    with pytest.raises(OSError, match="EIO"):
+        await pool.run_all([failing, lambda: slow(abort), lambda: later(abort)], abort)
+    assert ended == ["slow"] and aborted == [True]
+    await pool.aclose()
+
+
+async def test_cancelling_run_all_drops_queued_parts_and_waits_for_running_ones() -> None:
+    pool = BlockingPool("tkv-test-all-cancel", 2)
+    started = threading.Barrier(3, timeout=10)
+    finished: list[int] = []
+    ran: list[int] = []
+
+    def part(i: int, abort: threading.Event) -> None:
+        ran.append(i)
+        if i < 2:
+            started.wait()
+            abort.wait(10)
+            finished.append(i)
+
+    abort = threading.Event()
+    task = asyncio.ensure_future(
+        pool.run_all([lambda i=i: part(i, abort) for i in range(5)], abort)
+    )
+    await asyncio.get_running_loop().run_in_executor(None, started.wait)
+    assert pool.stats().queued == 3
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Returned only once both running parts let go; the queued three never run.
+    assert sorted(finished) == [0, 1] and abort.is_set()
+    assert pool.stats().queued == 0
+    assert await pool.run(lambda: 1) == 1
+    assert sorted(ran) == [0, 1]
+    assert await pool.aclose(timeout=10)
+
+
 async def test_a_closed_pool_refuses_jobs_and_close_is_idempotent() -> None:
     pool = BlockingPool("tkv-test-closed", 2)
     assert await pool.run(lambda: 1) == 1
@@ -109,6 +183,8 @@ async def test_a_closed_pool_refuses_jobs_and_close_is_idempotent() -> None:
     assert await pool.aclose(timeout=10)
     with pytest.raises(EngineStateError, match="closed"):
         await pool.run(lambda: 2)
+    with pytest.raises(EngineStateError, match="closed"):
+        await pool.run_all([lambda: 2])
 
 
 def test_sizes_are_checked_and_sized_from_the_machine() -> None:

@@ -12,8 +12,9 @@ Frame layout, little-endian::
              included; a multiple of PAYLOAD_ALIGN)
     header   key_len u32 | key bytes | num_tokens u32 | group_count u16
              per group: dtype code u8 | ndim u8 | dims u64 x ndim | offset u64 | length u64
+             stripe_len u32 (`STRIPE_BYTES`)
              pad_len u32 | pad_len zero bytes
-             payload_checksum u64 (xxh3-64 over the payload)
+             stripe checksums u64 x ceil(payload length / stripe_len) (xxh3-64 of each stripe)
              header_checksum u64 (xxh3-64 over every header byte before it, padding included)
     payload  the groups' bytes back to back, logical sizes only, from byte header_len
 
@@ -23,6 +24,10 @@ misaligned page-cache copy is markedly slower). It sits before the checksums so 
 checksum stays in the header's last 8 bytes and is verified before any field is parsed.
 ``pad_len`` is the smallest that aligns the payload (``< PAYLOAD_ALIGN``) and every padding
 byte is zero: decoders refuse anything else, so a frame has exactly one encoding.
+
+The payload is checksummed in stripes of `STRIPE_BYTES` (the last one shorter), each on its own:
+a reader may fetch and verify the stripes of one chunk on several threads at once, in any order.
+Stripes start page-aligned in a file (``STRIPE_BYTES`` is a multiple of `PAYLOAD_ALIGN`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import xxhash
 from tiered_kv.errors import CodecError
 
 MAGIC = b"TKVC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KNOWN_FLAGS = 0
 """Flag bits this version understands (none yet); any other bit makes a frame unreadable."""
 
@@ -57,11 +62,21 @@ PREFIX_LEN = _PREFIX.size
 PAYLOAD_ALIGN = 4096
 """The payload starts at a multiple of this many bytes into the frame (the header is padded)."""
 
-_UNPADDED_MIN_LEN = PREFIX_LEN + _U32.size + _U32.size + _U16.size + _U32.size + 2 * _CHECKSUM_LEN
-"""Header bytes besides the key, the groups and the padding."""
+_UNPADDED_MIN_LEN = (
+    PREFIX_LEN + _U32.size + _U32.size + _U16.size + _U32.size + _U32.size + _CHECKSUM_LEN
+)
+"""Header bytes besides the key, the groups, the padding and the stripe checksums."""
 
 MIN_HEADER_LEN = PAYLOAD_ALIGN
 """No header is shorter: header lengths are positive multiples of `PAYLOAD_ALIGN`."""
+
+STRIPE_BYTES = 4 << 20
+"""Bytes per checksummed stripe of a payload (the last stripe may be shorter)."""
+
+
+def stripe_count(payload_len: int) -> int:
+    """Stripes of a payload of ``payload_len`` bytes."""
+    return -(-payload_len // STRIPE_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,7 +176,7 @@ class ChunkHeader:
     key_bytes: bytes
     num_tokens: int
     groups: tuple[GroupSpec, ...]
-    payload_checksum: int
+    stripe_checksums: tuple[int, ...]  # xxh3-64 of each `STRIPE_BYTES` stripe of the payload
     header_len: int
 
     @property
@@ -255,7 +270,8 @@ def header_length(prefix: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> in
 
 def _unpadded_header_len(key_len: int, groups: Sequence[GroupSpec]) -> int:
     per_group = sum(_GROUP_HEAD.size + _U64.size * (len(g.shape) + 2) for g in groups)
-    return _UNPADDED_MIN_LEN + key_len + per_group
+    stripes = stripe_count(sum(g.nbytes for g in groups))
+    return _UNPADDED_MIN_LEN + key_len + per_group + _CHECKSUM_LEN * stripes
 
 
 def encoded_header_len(key_len: int, groups: Sequence[GroupSpec]) -> int:
@@ -276,7 +292,7 @@ def check_encodable(
     """Refuse to write what `decode_header` with the same limits would refuse to read.
 
     Returns the header's length. For writers that stream the payload before they know its
-    checksum: check first, write the payload at this offset, then `encode_header`.
+    checksums: check first, write the payload at this offset, then `encode_header`.
     """
     if len(key_bytes) > limits.max_key_bytes:
         raise CodecError(f"key is {len(key_bytes)} bytes, max_key_bytes={limits.max_key_bytes}")
@@ -310,15 +326,24 @@ def encode_header(
     key_bytes: bytes,
     num_tokens: int,
     groups: Sequence[GroupSpec],
-    payload_checksum: int,
+    stripe_checksums: Sequence[int],
     *,
     limits: CodecLimits = DEFAULT_LIMITS,
 ) -> bytes:
-    """The header of a frame holding ``groups`` (payload bytes not included)."""
+    """The header of a frame holding ``groups`` (payload bytes not included), whose payload
+    hashes to ``stripe_checksums`` (`payload_checksums`, or a `PayloadHasher`'s digests)."""
     key_bytes = bytes(key_bytes)
     header_len = check_encodable(key_bytes, num_tokens, groups, limits)
-    if not 0 <= payload_checksum <= _U64_MAX:
-        raise CodecError(f"payload_checksum must be in [0, 2**64), got {payload_checksum}")
+    stripes = stripe_count(sum(g.nbytes for g in groups))
+    if len(stripe_checksums) != stripes:
+        raise CodecError(
+            f"stripe_checksums: {len(stripe_checksums)} given, the payload has {stripes} stripes"
+        )
+    for checksum in stripe_checksums:
+        if isinstance(checksum, bool) or not isinstance(checksum, int):
+            raise CodecError(f"stripe_checksums must be ints, got {checksum!r}")
+        if not 0 <= checksum <= _U64_MAX:
+            raise CodecError(f"stripe_checksums must be in [0, 2**64), got {checksum}")
     pad_len = header_len - _unpadded_header_len(len(key_bytes), groups)
     parts = [
         _PREFIX.pack(MAGIC, FORMAT_VERSION, KNOWN_FLAGS, header_len),
@@ -333,9 +358,10 @@ def encode_header(
         parts.append(struct.pack(f"<{len(group.shape)}Q", *group.shape))
         parts.append(struct.pack("<QQ", offset, group.nbytes))
         offset += group.nbytes
+    parts.append(_U32.pack(STRIPE_BYTES))
     parts.append(_U32.pack(pad_len))
     parts.append(bytes(pad_len))
-    parts.append(_U64.pack(payload_checksum))
+    parts.append(struct.pack(f"<{stripes}Q", *stripe_checksums))
     body = b"".join(parts)
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -399,12 +425,23 @@ def decode_header(data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> Chun
                 f"max_payload_bytes={limits.max_payload_bytes}"
             )
         groups.append(GroupSpec(dtype, shape))
+    stripe_len = reader.unpack(_U32, "stripe_len")
+    if stripe_len != STRIPE_BYTES:
+        raise CodecError(
+            f"header: stripe_len {stripe_len}; this build reads stripes of {STRIPE_BYTES} bytes"
+        )
+    stripes = stripe_count(expected_offset)
     pad_len = reader.unpack(_U32, "pad_len")
-    room = checked_end - _CHECKSUM_LEN - reader.pos
+    room = checked_end - _CHECKSUM_LEN * stripes - reader.pos
+    if room < 0:
+        raise CodecError(
+            f"header: header_len {header_len} cannot hold the {stripes} stripe checksums of a "
+            f"{expected_offset}-byte payload"
+        )
     if pad_len != room:
         raise CodecError(
             f"header: pad_len {pad_len} disagrees with header_len {header_len}, which leaves "
-            f"{room} bytes between the pad_len field and the payload checksum"
+            f"{room} bytes between the pad_len field and the {stripes} stripe checksums"
         )
     if pad_len >= PAYLOAD_ALIGN:
         raise CodecError(
@@ -417,8 +454,8 @@ def decode_header(data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> Chun
         raise CodecError(
             f"header: padding byte {first} of {pad_len} is {padding[first]:#04x}, must be zero"
         )
-    payload_checksum = reader.unpack(_U64, "payload_checksum")
-    return ChunkHeader(key_bytes, num_tokens, tuple(groups), payload_checksum, header_len)
+    checksums = tuple(reader.unpack(_U64, f"stripe {index} checksum") for index in range(stripes))
+    return ChunkHeader(key_bytes, num_tokens, tuple(groups), checksums, header_len)
 
 
 class FrameCheck(enum.Enum):
@@ -453,22 +490,62 @@ def check_frame_header(
     return FrameCheck.OK, ""
 
 
-def check_payload_checksum(header: ChunkHeader, computed: int) -> str | None:
-    """None when the payload hashed to ``computed`` is the one the header vouches for; else
-    what is wrong (the frame is corrupt)."""
-    if computed == header.payload_checksum:
-        return None
-    return (
-        f"payload checksum mismatch: header {header.payload_checksum:#018x}, data {computed:#018x}"
-    )
+def check_payload_checksums(header: ChunkHeader, computed: Sequence[int | None]) -> str | None:
+    """None when the payload whose stripes hashed to ``computed`` is the one the header vouches
+    for; else what is wrong (the frame is corrupt). A None stripe was never read in full."""
+    if len(computed) != len(header.stripe_checksums):
+        return (
+            f"payload of {len(computed)} stripes, the header vouches for "
+            f"{len(header.stripe_checksums)}"
+        )
+    for index, (stored, got) in enumerate(zip(header.stripe_checksums, computed, strict=True)):
+        if got is None:
+            return f"stripe {index} was not read in full"
+        if got != stored:
+            return (
+                f"payload checksum mismatch in stripe {index} (bytes {index * STRIPE_BYTES} to "
+                f"{min((index + 1) * STRIPE_BYTES, header.payload_len)}): header {stored:#018x}, "
+                f"data {got:#018x}"
+            )
+    return None
 
 
-def payload_checksum(buffers: Iterable[BytesLike]) -> int:
-    """xxh3-64 over the buffers' bytes in order, streamed (nothing is concatenated)."""
-    state = xxhash.xxh3_64()
-    for buffer in buffers:
-        state.update(_byte_view(buffer, "buffer"))
-    return int(state.intdigest())
+class PayloadHasher:
+    """Streams a payload's bytes, in order and in pieces of any size, into its stripe checksums
+    (`digests`); nothing is copied or concatenated."""
+
+    __slots__ = ("_state", "_room", "_digests")
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_64()
+        self._room = STRIPE_BYTES  # bytes left in the current stripe
+        self._digests: list[int] = []
+
+    def update(self, data: BytesLike, /) -> None:
+        view = _byte_view(data, "data")
+        while len(view) >= self._room:
+            self._state.update(view[: self._room])
+            view = view[self._room :]
+            self._digests.append(self._state.intdigest())
+            self._state.reset()
+            self._room = STRIPE_BYTES
+        if view:
+            self._state.update(view)
+            self._room -= len(view)
+
+    def digests(self) -> tuple[int, ...]:
+        """The checksums of the stripes seen so far, the last (shorter) one included."""
+        if self._room == STRIPE_BYTES:
+            return tuple(self._digests)
+        return (*self._digests, self._state.intdigest())
+
+
+def payload_checksums(buffers: Iterable[BytesLike]) -> tuple[int, ...]:
+    """The stripe checksums of the buffers' bytes in order, streamed (nothing concatenated)."""
+    hasher = PayloadHasher()
+    for index, buffer in enumerate(buffers):
+        hasher.update(_byte_view(buffer, f"buffer {index}"))
+    return hasher.digests()
 
 
 def encode_chunk(
@@ -490,7 +567,7 @@ def encode_chunk(
             raise CodecError(
                 f"buffer {index} has {view.nbytes} bytes, group {group} needs {group.nbytes}"
             )
-    header = encode_header(key_bytes, num_tokens, groups, payload_checksum(views), limits=limits)
+    header = encode_header(key_bytes, num_tokens, groups, payload_checksums(views), limits=limits)
     return [header, *views]
 
 
@@ -508,7 +585,7 @@ def decode_chunk(
         view[start + offset : start + offset + group.nbytes]
         for offset, group in zip(header.group_offsets, header.groups, strict=True)
     ]
-    mismatch = check_payload_checksum(header, payload_checksum(payloads))
+    mismatch = check_payload_checksums(header, payload_checksums(payloads))
     if mismatch is not None:
         raise CodecError(mismatch)
     return header, payloads

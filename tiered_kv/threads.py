@@ -2,9 +2,11 @@
 
 Owns its worker threads (started lazily up to ``threads``, named after the pool) and a queue of
 jobs. A coroutine hands a job over with `run` and awaits its result, which comes back to the
-loop with ``call_soon_threadsafe``. Not the loop's default executor, and not
-`concurrent.futures`: those refuse new work once the interpreter starts shutting down, so an
-engine closed from an ``atexit`` hook (a script that just ends) could not flush its writes.
+loop with ``call_soon_threadsafe``; `run_all` hands over several parts of one job, which run on
+as many threads at once and wake the loop once, when the last ends. Not the loop's default
+executor, and not `concurrent.futures`: those refuse new work once the interpreter starts
+shutting down, so an engine closed from an ``atexit`` hook (a script that just ends) could not
+flush its writes.
 
 Cancellation: a job not yet started is dropped; a running job gets its ``abort`` event set (the
 job checks it between steps) and `run` waits for the thread to finish before re-raising, so a
@@ -24,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from tiered_kv.errors import ConfigError, EngineStateError
@@ -66,12 +68,23 @@ def check_abort(abort: threading.Event | None) -> None:
 
 
 @dataclasses.dataclass(slots=True, eq=False)
+class _Batch:
+    """The parts of one `run_all` job: how many have not ended, and the first error."""
+
+    remaining: int
+    results: list[Any]
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class _Job(Generic[_T]):
     fn: Callable[[], _T]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[_T]
     abort: threading.Event
     started: bool = False
+    batch: _Batch | None = None  # a part of a `run_all` job, at ``index`` among its parts
+    index: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,6 +135,44 @@ class BlockingPool:
                 job.future.exception()  # mark retrieved: the cancellation is what the caller sees
             raise
 
+    async def run_all(
+        self, fns: Sequence[Callable[[], _T]], abort: threading.Event | None = None
+    ) -> list[_T]:
+        """Each of ``fns`` on the pool's threads, as many at once as threads are free; their
+        results in order, back on the loop once, when the last one ends. When a part raises,
+        ``abort`` is set (parts check it between steps) and the first error is raised once
+        every started part has ended. Cancellation drops the parts not yet started, sets
+        ``abort`` and waits for the running ones to end, as `run` does."""
+        if not fns:
+            return []
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[_T]] = loop.create_future()
+        batch = _Batch(len(fns), [None] * len(fns))
+        event = abort or threading.Event()
+        jobs = [
+            _Job(fn, loop, future, event, batch=batch, index=index)  # type: ignore[arg-type]
+            for index, fn in enumerate(fns)
+        ]
+        self._enqueue_jobs(jobs)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            with self._lock:
+                for job in jobs:
+                    if not job.started:
+                        self._queue.remove(job)
+                        job.started = True  # never runs now
+                        batch.remaining -= 1
+                running = batch.remaining
+            event.set()
+            if running:
+                while not future.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait((future,))
+                if not future.cancelled():
+                    future.exception()  # mark retrieved: the cancellation is what the caller sees
+            raise
+
     def submit(self, fn: Callable[[], _T]) -> asyncio.Future[_T]:
         """``fn()`` on one of the pool's threads; the future (of the running loop) gets its
         result. Cancelling the future does not stop the job: callers that lend buffers to
@@ -131,18 +182,23 @@ class BlockingPool:
     def _enqueue(self, fn: Callable[[], _T], abort: threading.Event | None) -> _Job[_T]:
         loop = asyncio.get_running_loop()
         job: _Job[_T] = _Job(fn, loop, loop.create_future(), abort or threading.Event())
+        self._enqueue_jobs([job])
+        return job
+
+    def _enqueue_jobs(self, jobs: Sequence[_Job[Any]]) -> None:
         with self._lock:
             if self._closing:
                 raise EngineStateError(f"{self.name}: the pool is closed")
-            self._queue.append(job)
-            # A thread counted idle here has not been woken yet: each wake-up takes one off,
-            # so a burst of jobs wakes as many threads (or starts new ones), never one twice.
-            if self._idle:
-                self._idle -= 1
-                self._work.notify()
-            elif len(self._threads) < self.size:
-                self._start_thread()
-        return job
+            for job in jobs:
+                self._queue.append(job)
+                # A thread counted idle here has not been woken yet: each wake-up takes one
+                # off, so a burst of jobs wakes as many threads (or starts new ones), never
+                # one twice.
+                if self._idle:
+                    self._idle -= 1
+                    self._work.notify()
+                elif len(self._threads) < self.size:
+                    self._start_thread()
 
     def _start_thread(self) -> None:
         thread = threading.Thread(
@@ -162,15 +218,31 @@ class BlockingPool:
                 job = self._queue.popleft()
                 job.started = True
                 self._busy += 1
+            result, error = None, None
             try:
                 result = job.fn()
             except BaseException as exc:
-                self._settle(job, None, exc)
+                error = exc
+            if job.batch is None:
+                self._settle(job, result, error)
             else:
-                self._settle(job, result, None)
-            finally:
-                with self._lock:
-                    self._busy -= 1
+                self._part_ended(job, job.batch, result, error)
+            with self._lock:
+                self._busy -= 1
+
+    def _part_ended(
+        self, job: _Job[Any], batch: _Batch, result: Any, error: BaseException | None
+    ) -> None:
+        with self._lock:
+            batch.remaining -= 1
+            last = not batch.remaining
+            if error is not None and batch.error is None:
+                batch.error = error
+                job.abort.set()  # the other parts stop at their next check
+            else:
+                batch.results[job.index] = result
+        if last:
+            self._settle(job, batch.results, batch.error)
 
     @staticmethod
     def _settle(job: _Job[Any], result: Any, error: BaseException | None) -> None:

@@ -32,7 +32,7 @@ from tests.remote_fixtures import (
 )
 from tests.tiers.mooncake_writer import FORMAT
 from tiered_kv import EngineConfig, TieredKVEngine
-from tiered_kv.codec import encode_header, payload_checksum
+from tiered_kv.codec import encode_header, payload_checksums
 from tiered_kv.config import parse_l3_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import KeyScope, chunk_keys
@@ -125,7 +125,7 @@ async def test_missing_corrupt_and_short_values_are_misses(
         assert isinstance(connector, MooncakeConnector)
         buffers = src.group_buffers()
         header = encode_header(
-            key.to_bytes(), CHUNK, src.group_specs(), payload_checksum(buffers) ^ 1
+            key.to_bytes(), CHUNK, src.group_specs(), [c ^ 1 for c in payload_checksums(buffers)]
         )
         frame_len = len(header) + sum(len(b) for b in buffers)
         await connector.put(key, [header, *buffers], frame_len)

@@ -25,7 +25,7 @@ from tests.remote_fixtures import (  # noqa: F401
     tokens_for,
 )
 from tiered_kv import EngineConfig, TieredKVEngine
-from tiered_kv.codec import GroupSpec, encode_chunk
+from tiered_kv.codec import GroupSpec, PayloadHasher, encode_chunk
 from tiered_kv.keys import KeyScope, chunk_keys
 from tiered_kv.tiers.l3_remote import RemoteTier
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink
@@ -232,16 +232,17 @@ class _ThreadRecordingHasher:
     """A FrameSink hasher that notes which threads hashed (that is, received) the payload."""
 
     def __init__(self) -> None:
-        import xxhash
-
-        self._state = xxhash.xxh3_64()
+        self._hasher = PayloadHasher()
         self.threads: set[str] = set()
 
     def update(self, data: object) -> None:
         import threading
 
         self.threads.add(threading.current_thread().name)
-        self._state.update(data)  # type: ignore[arg-type]
+        self._hasher.update(data)  # type: ignore[arg-type]
+
+    def digests(self) -> tuple[int, ...]:
+        return self._hasher.digests()
 
 
 def _one_frame(seed: int, size: int) -> tuple[object, list[memoryview], bytes]:

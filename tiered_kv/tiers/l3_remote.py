@@ -32,11 +32,11 @@ from tiered_kv.codec import (
     FrameCheck,
     GroupSpec,
     check_frame_header,
-    check_payload_checksum,
+    check_payload_checksums,
     decode_header,
     encode_header,
     encoded_header_len,
-    payload_checksum,
+    payload_checksums,
 )
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError
 from tiered_kv.keys import ChunkKey
@@ -215,7 +215,7 @@ class RemoteTier(LowerTier):
         started = time.perf_counter()
         try:
             header = encode_header(
-                key_bytes, obj.num_tokens, specs, payload_checksum(buffers), limits=self.limits
+                key_bytes, obj.num_tokens, specs, payload_checksums(buffers), limits=self.limits
             )
             frame_len = len(header) + sum(len(buffer) for buffer in buffers)
             async with asyncio.timeout(self.timeout_s):
@@ -292,7 +292,7 @@ class RemoteTier(LowerTier):
             return "layout"
         if check is not FrameCheck.OK:  # another key under this key's name: corrupt here
             return detail
-        return check_payload_checksum(header, sink.hasher.intdigest())
+        return check_payload_checksums(header, sink.hasher.digests())
 
     async def _remove_corrupt(self, key: ChunkKey) -> None:
         self._forget(key)

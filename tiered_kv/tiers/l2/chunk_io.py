@@ -1,9 +1,11 @@
-"""One chunk file, written or read on an I/O thread: temp file, payload hashed as it is written,
-header last, fsync, rename (`write_chunk_file`); header checks, payload read straight into the
-caller's buffers in slices, each hashed as it lands, checksum verified (`read_chunk_file`).
+"""One chunk file, written or read on I/O threads: temp file, payload hashed as it is written,
+header last, fsync, rename (`write_chunk_file`); a read (`ChunkRead`) split into parts that any
+of the tier's read threads run at once: the header's checks, and the payload's stripes, each
+read straight into the caller's buffers and hashed as it lands. The loop compares the stripes'
+checksums with the header's once every part has ended.
 
-Both check their job's abort event between steps (`tiered_kv.threads.check_abort`), so a
-cancelled caller's buffers are let go before its thread ends. Must not touch the tier's index.
+Every part checks its job's abort event between steps (`tiered_kv.threads.check_abort`), so a
+cancelled caller's buffers are let go before its threads end. Must not touch the tier's index.
 """
 
 from __future__ import annotations
@@ -14,18 +16,23 @@ import enum
 import io
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
 
 from tiered_kv.codec import (
+    STRIPE_BYTES,
+    ChunkHeader,
     CodecLimits,
     FrameCheck,
     GroupSpec,
+    PayloadHasher,
     check_encodable,
     check_frame_header,
-    check_payload_checksum,
+    check_payload_checksums,
     encode_header,
+    stripe_count,
 )
 from tiered_kv.errors import CodecError
 from tiered_kv.threads import check_abort
@@ -35,7 +42,6 @@ from tiered_kv.tiers.l2.files import (
     FileOps,
     read_header,
     readinto_exact,
-    slices,
     unlink_quietly,
     write_all_at,
 )
@@ -93,15 +99,15 @@ def write_chunk_file(job: WriteJob) -> None:
     job.lock_retaken = job.lock.ensure_held(job.fsync)
     try:
         with create_temp_file(job) as file:
-            state = xxhash.xxh3_64()
+            hasher = PayloadHasher()
             position = header_len
             for buffer in job.buffers:
                 check_abort(job.abort)
-                state.update(buffer)
+                hasher.update(buffer)
                 write_all_at(file, buffer, position, job.file_ops)
                 position += len(buffer)
             header = encode_header(
-                job.key_bytes, job.num_tokens, job.specs, state.intdigest(), limits=job.limits
+                job.key_bytes, job.num_tokens, job.specs, hasher.digests(), limits=job.limits
             )
             check_abort(job.abort)
             write_all_at(file, header, 0, job.file_ops)
@@ -151,45 +157,132 @@ _OUTCOMES = {
 }
 
 
-def read_chunk_file(
-    path: Path,
-    key_bytes: bytes,
-    num_tokens: int,
-    specs: tuple[GroupSpec, ...],
-    buffers: list[memoryview],
-    limits: CodecLimits,
-    abort: threading.Event,
-    stamp_ns: int,
-    file_ops: FileOps,
-) -> tuple[ReadOutcome, str]:
-    """Verify the header, read the payload straight into ``buffers``, verify the checksum."""
-    check_abort(abort)
-    try:
-        file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-    except FileNotFoundError:
-        return ReadOutcome.MISSING, ""
-    with file:
-        size = os.fstat(file.fileno()).st_size
-        try:
-            header = read_header(file, limits)
-        except CodecError as exc:
-            return ReadOutcome.CORRUPT, f"bad header: {exc}"
-        check, detail = check_frame_header(
-            header, key_bytes=key_bytes, num_tokens=num_tokens, groups=specs, frame_len=size
-        )
-        if check is not FrameCheck.OK:
-            return _OUTCOMES[check], detail
-        state = xxhash.xxh3_64()
-        for index, buffer in enumerate(buffers):
-            for piece in slices(buffer, file_ops.read_slice_bytes):
-                check_abort(abort)
-                if not readinto_exact(file, piece, file_ops):
-                    return ReadOutcome.CORRUPT, f"short read in group {index}"
-                state.update(piece)
-        problem = check_payload_checksum(header, state.intdigest())
+class ChunkRead:
+    """One chunk file read into ``buffers`` (the groups' payloads, in order) as parts that run
+    on any read threads at once (`parts`), then judged on the loop (`outcome`).
+
+    Part 0 opens the file and checks its header against what the caller expects (the key, the
+    layout, the file's length) and stamps its recency; each other part reads a run of whole
+    stripes at the offsets the expected header implies and hashes each stripe as it lands. A
+    file that is not the expected one fails part 0's checks, so the bytes the stripe parts put
+    in the buffers are never trusted.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        key_bytes: bytes,
+        num_tokens: int,
+        specs: tuple[GroupSpec, ...],
+        buffers: list[memoryview],
+        limits: CodecLimits,
+        abort: threading.Event,
+        stamp_ns: int,
+        file_ops: FileOps,
+    ) -> None:
+        self.path = path
+        self.key_bytes = key_bytes
+        self.num_tokens = num_tokens
+        self.specs = specs
+        self.buffers = buffers
+        self.limits = limits
+        self.abort = abort
+        self.stamp_ns = stamp_ns
+        self.file_ops = file_ops
+        self.header_len = check_encodable(key_bytes, num_tokens, specs, limits)
+        self.payload_len = sum(len(buffer) for buffer in buffers)
+        self.digests: list[int | None] = [None] * stripe_count(self.payload_len)
+        # Part 0's verdict and the header it checked; a failed check stops the stripe parts.
+        self.checked: tuple[ReadOutcome, str] = (ReadOutcome.CORRUPT, "header not read")
+        self.header: ChunkHeader | None = None
+        self._stop = threading.Event()
+
+    def parts(self) -> list[Callable[[], None]]:
+        """The header check, then one part per ``file_ops.read_slice_bytes`` of payload (whole
+        stripes, at least one)."""
+        per_part = max(1, self.file_ops.read_slice_bytes // STRIPE_BYTES)
+        stripes = len(self.digests)
+        starts = range(0, stripes, per_part)
+        runs = [range(start, min(start + per_part, stripes)) for start in starts]
+        return [self._check_header, *(self._reader(run) for run in runs)]
+
+    def outcome(self) -> tuple[ReadOutcome, str]:
+        """The read's verdict once every part has ended."""
+        if self.checked[0] is not ReadOutcome.HIT or self.header is None:
+            return self.checked
+        problem = check_payload_checksums(self.header, self.digests)
         if problem is not None:
             return ReadOutcome.CORRUPT, problem
-        # Recency survives a restart: the index is rebuilt in mtime order.
-        with contextlib.suppress(OSError):
-            os.utime(file.fileno(), ns=(stamp_ns, stamp_ns))
-    return ReadOutcome.HIT, ""
+        return ReadOutcome.HIT, ""
+
+    def _check_header(self) -> None:
+        check_abort(self.abort)
+        try:
+            file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError:
+            self._fail(ReadOutcome.MISSING, "")
+            return
+        with file:
+            size = os.fstat(file.fileno()).st_size
+            try:
+                header = read_header(file, self.limits)
+            except CodecError as exc:
+                self._fail(ReadOutcome.CORRUPT, f"bad header: {exc}")
+                return
+            check, detail = check_frame_header(
+                header,
+                key_bytes=self.key_bytes,
+                num_tokens=self.num_tokens,
+                groups=self.specs,
+                frame_len=size,
+            )
+            if check is not FrameCheck.OK:
+                self._fail(_OUTCOMES[check], detail)
+                return
+            # Recency survives a restart: the index is rebuilt in mtime order.
+            with contextlib.suppress(OSError):
+                os.utime(file.fileno(), ns=(self.stamp_ns, self.stamp_ns))
+        self.header = header
+        self.checked = ReadOutcome.HIT, ""
+
+    def _fail(self, outcome: ReadOutcome, detail: str) -> None:
+        self.checked = outcome, detail
+        self._stop.set()  # the stripes are not worth reading
+
+    def _reader(self, stripes: range) -> Callable[[], None]:
+        return lambda: self._read_stripes(stripes)
+
+    def _read_stripes(self, stripes: range) -> None:
+        check_abort(self.abort)
+        try:
+            file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError:
+            return  # part 0 finds it missing too, or the stripe stays unread: never a hit
+        with file:
+            start = stripes.start * STRIPE_BYTES
+            file.seek(self.header_len + start)
+            for index in stripes:
+                if self._stop.is_set():
+                    return
+                end = min(start + STRIPE_BYTES, self.payload_len)
+                state = xxhash.xxh3_64()
+                for piece in self._pieces(start, end):
+                    check_abort(self.abort)
+                    if not readinto_exact(file, piece, self.file_ops):
+                        return  # the file ends early: this stripe and the rest stay unread
+                    state.update(piece)
+                self.digests[index] = state.intdigest()
+                start = end
+
+    def _pieces(self, start: int, end: int) -> list[memoryview]:
+        """The buffers' views holding payload bytes ``[start, end)``, in order."""
+        pieces = []
+        offset = 0
+        for buffer in self.buffers:
+            size = len(buffer)
+            if offset + size > start and offset < end:
+                pieces.append(buffer[max(start - offset, 0) : min(end - offset, size)])
+            offset += size
+            if offset >= end:
+                break
+        return pieces

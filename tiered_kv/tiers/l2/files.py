@@ -31,11 +31,11 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 TEMP_SUFFIX = ".tmp"
 HEX_DIGITS = frozenset("0123456789abcdef")
-# Reads take a whole group buffer per call (up to 64 MiB), then hash it: every return retakes the
-# GIL, so fewer returns keep reads fast beside busy Python threads (docs/benchmarks.md, "L2 warm").
-# Writes hash each group just before writing it and write it in one call (files written in
-# pieces read back slower; same page).
-READ_SLICE_BYTES = 64 << 20
+# A chunk's read is split into parts of this many payload bytes (whole checksum stripes), which
+# the tier's read threads run at once; each stripe is read in one call, then hashed. Writes hash
+# each group just before writing it and write it in one call (files written in pieces read back
+# slower). Measurements: docs/benchmarks.md, "L2 warm".
+READ_SLICE_BYTES = 8 << 20
 # Errors of a full filesystem or quota: evict and write again instead of failing every put.
 NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 
@@ -50,7 +50,8 @@ class FileOps:
     """
 
     read_slice_bytes: int = READ_SLICE_BYTES
-    """Reads move a payload in slices of this many bytes, each hashed right after it lands."""
+    """A chunk's read is split into parts of this many payload bytes (rounded down to whole
+    checksum stripes, at least one), each on any free read thread."""
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         """`os.pwrite`: may write fewer bytes than given, raises `OSError` (e.g. ``ENOSPC``)."""

@@ -33,13 +33,14 @@ not verified, or touch a caller's buffers after the call that lent them has retu
 
 Threads: every method runs on the engine's event loop; file I/O and hashing run on the tier's
 own `BlockingPool`s, one hop per put / get: reads on ``io_threads`` threads (sized from the
-machine by default), so a request's chunks are read in parallel, each straight into its L1
-object; writes, unlinks and recency stamps on a smaller pool of their own (`write_threads`),
-so a burst of writes never queues a load behind it. A
-cancelled call tells its thread to stop and waits for it before cancellation propagates, so a
-released `MemoryObj` is never written. Not aiofiles: its await returns as soon as its task is
-cancelled while the thread keeps going, and it leaves the hashing on the loop
-(docs/benchmarks.md, "Why the L2 tier does not use aiofiles").
+machine by default), each chunk's read split into parts (its header, runs of its checksum
+stripes) that run at once, straight into its L1 object, so a request's chunks and the stripes
+of each are read in parallel; writes, unlinks and recency stamps on a smaller pool of their own
+(`write_threads`), so a burst of writes never queues a load behind it. A cancelled call tells
+its threads to stop and waits for them before cancellation propagates, so a released
+`MemoryObj` is never written. Not aiofiles: its await returns as soon as its task is cancelled
+while the thread keeps going, and it leaves the hashing on the loop (docs/benchmarks.md, "Why
+the L2 tier does not use aiofiles").
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
 from tiered_kv.threads import BlockingPool, default_io_threads, write_threads
 from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
-from tiered_kv.tiers.l2.chunk_io import ReadOutcome, WriteJob, read_chunk_file, store_chunk
+from tiered_kv.tiers.l2.chunk_io import ChunkRead, ReadOutcome, WriteJob, store_chunk
 from tiered_kv.tiers.l2.files import (
     DEFAULT_FILE_OPS,
     NO_SPACE_ERRNOS,
@@ -495,8 +496,7 @@ class DiskTier(LowerTier):
             self._counters["misses"] += 1
             return False
         abort = threading.Event()
-        read = functools.partial(
-            read_chunk_file,
+        read = ChunkRead(
             entry.path,
             key.to_bytes(),
             obj.num_tokens,
@@ -509,7 +509,8 @@ class DiskTier(LowerTier):
         )
         started = time.perf_counter()
         try:
-            outcome, detail = await self._read_pool.run(read, abort)
+            await self._read_pool.run_all(read.parts(), abort)
+            outcome, detail = read.outcome()
         except Exception:
             self._counters["read_failures"] += 1
             self._counters["misses"] += 1

@@ -34,8 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-import xxhash
-
+from tiered_kv.codec import PayloadHasher
 from tiered_kv.keys import ChunkKey
 
 BytesLike = bytes | bytearray | memoryview
@@ -68,7 +67,7 @@ class FrameSink:
 
     header: bytearray
     payload: list[memoryview]
-    hasher: xxhash.xxh3_64 = dataclasses.field(default_factory=xxhash.xxh3_64)
+    hasher: PayloadHasher = dataclasses.field(default_factory=PayloadHasher)
     owner: BufferOwner | None = None
 
     @property
