@@ -293,7 +293,7 @@ class Case:
     tokens: int
     cached_pct: int
     tier: str  # recompute, compute (prefix resident), L1, L2 warm, L2 cold, L3
-    mode: str  # "-", whole, layerwise
+    mode: str  # "-", whole, layerwise, auto (the engine's cost policy decides what to load)
     ttft_s: float
     runs_s: list[float]
     prefix_tokens: int = 0  # tokens not computed (loaded, or resident)
@@ -301,6 +301,7 @@ class Case:
     load_bound_s: float | None = None
     bound_s: float | None = None
     recompute_s: float | None = None
+    claimed_tokens: list[int] = dataclasses.field(default_factory=list)  # auto: per-run claims
 
     @property
     def ratio(self) -> float | None:
@@ -500,6 +501,10 @@ class ModelRunner:
     def captured_shapes(self) -> int:
         return len(self._captured)
 
+    def has_graphs(self, request: Request, prefix_tokens: int) -> bool:
+        """Whether a timed prefill of this shape can run now (captured, or no graphs used)."""
+        return not self.graphs or self._key(request, prefix_tokens) in self._captured
+
     def _key(self, request: Request, prefix_tokens: int) -> tuple[int, int, int]:
         return (request.num_tokens, prefix_tokens, request.slots.data_ptr())
 
@@ -598,6 +603,7 @@ class Bench:
         self.h2d = report.h2d_gbps * 1e9
         self.recompute_s: dict[int, float] = {}
         self.compute_s: dict[tuple[int, int], float] = {}  # (tokens, pct) -> resident compute
+        self._taught: dict[int, set[tuple[int, int]]] = {}  # per engine: prefills reported
         # Deterministic references, by (tokens, cached %): the recompute of the whole prompt
         # (0%: the fresh prompt), the prefill over the resident prefix, the control.
         self.recompute_logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -957,13 +963,28 @@ class Bench:
         requests: dict[int, Request],
         *,
         reset: Callable[[], Awaitable[None]] | None = None,
-        modes: Sequence[str] = ("whole", "layerwise"),
+        modes: Sequence[str] = ("whole", "layerwise", "auto"),
         fractions: Sequence[int] = FRACTIONS,
         reps: int | None = None,
     ) -> None:
         for pct in fractions:
             for mode in modes if pct else ("-",):
                 await self.load_case(engine, tier, mode, n, requests[pct], pct, reset, reps)
+
+    def teach(self, engine: TieredKVEngine, n: int) -> None:
+        """Report this run's measured prefills to ``engine`` (`observe_prefill`), as a serving
+        stack reports its own: the whole prompt's recompute and each prefill over a resident
+        prefix, of every length measured so far. The cost policy's recompute model fits them."""
+        taught = self._taught.setdefault(id(engine), set())
+        measured = [((length, 0), seconds) for length, seconds in self.recompute_s.items()]
+        measured += list(self.compute_s.items())
+        for key, seconds in measured:
+            length, pct = key
+            if key in taught or length > n:
+                continue
+            prefix = min(length * pct // 100, length - 1)
+            engine.observe_prefill(length - prefix, prefix, seconds)
+            taught.add(key)
 
     async def load_case(
         self,
@@ -977,8 +998,18 @@ class Bench:
         reps: int | None,
     ) -> None:
         """A correctness pass (deterministic kernels, untimed; also the warm-up), then timed
-        runs on the default kernels (`more_runs`); ``reset`` runs before each."""
+        runs on the default kernels (`more_runs`); ``reset`` runs before each.
+
+        ``auto``: the engine's cost policy (``load_policy="cost"``) decides how much of the
+        cached prefix `lookup` claims, from its own measured loads of this tier and the
+        prefills `teach` reported; the claim is loaded layerwise and the rest computed. A timed
+        run whose claim needs a prefill shape not captured yet captures it and is not counted.
+        """
+        auto = mode == "auto"
+        if auto:
+            self.teach(engine, n)
         times: list[float] = []
+        claims: list[int] = []  # tokens loaded, per run (auto: what the cost policy claimed)
         collected: list[float] = []  # collections inside the timed runs
         loaded = prefix = 0
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
@@ -998,32 +1029,51 @@ class Bench:
                 load = None
                 loaded = 0
                 if hit:
-                    if mode == "layerwise":
+                    if mode in ("layerwise", "auto"):
                         load = await engine.retrieve_layerwise(request.host_ids, request.block_ids)
                         result = load.result
                     else:
                         result = await engine.retrieve_detailed(request.host_ids, request.block_ids)
                     loaded = result.valid_tokens
                 prefix = min(loaded, n - 1)
+                captured = self.runner.captured_shapes
+                if auto and not checked and not self.runner.has_graphs(request, prefix):
+                    # A claim of a new length: capture its shape once the load is done (not
+                    # beside it); this run is not counted.
+                    if load is not None:
+                        await load.wait()
+                    await self.runner.prepare(request, prefix)
                 logits = await self.runner.prefill(request, prefix, load=load)
                 elapsed = time.perf_counter() - start
                 if not checked:
                     collected.extend(GC_PAUSES.pauses[collections:])
                 if load is not None:
                     await load.wait()
-            if hit != request.cached_tokens or loaded != request.cached_tokens:
+            expected = hit if auto else request.cached_tokens
+            if hit > request.cached_tokens or hit != expected or loaded != expected:
                 raise RuntimeError(
                     f"[{n}] {tier} {mode} {pct}%: lookup found {hit}, retrieve delivered "
-                    f"{loaded}; expected {request.cached_tokens} cached tokens"
+                    f"{loaded}; expected {expected} of {request.cached_tokens} cached tokens"
                 )
+            claims.append(loaded)
             name = f"{n} tokens, {pct}% cached, {tier}" + (f" {mode}" if pct else "")
+            whole_claim = loaded == request.cached_tokens
             if checked:
                 self.report.logits[(n, pct, tier, mode)] = logits
                 against = "resident prefix" if pct else "recompute"
-                self.check_against(f"{name} vs {against}", (n, pct), reference, logits)
+                if whole_claim:
+                    self.check_against(f"{name} vs {against}", (n, pct), reference, logits)
+                else:  # computed over a shorter prefix than the reference: other math
+                    self.close_logits(
+                        f"{name} (claimed {loaded} tokens) vs {against}",
+                        reference,
+                        logits,
+                        "auto, partial claim",
+                    )
             else:
                 self.check_timed(f"{name} (timed run {i})", reference, logits)
-                times.append(elapsed)
+                if self.runner.captured_shapes == captured:
+                    times.append(elapsed)
         ttft = median(times)
         # Time retrieve spent waiting for loads (L2/L3 reads), per run: what the reads cost.
         waited = engine.stats()["engine"]["retrieve_waited_seconds"] - waited_before
@@ -1033,7 +1083,11 @@ class Bench:
         )
         compute = self.compute_s.get((n, pct)) if pct else self.recompute_s[n]
         bound: float | None
-        if load_bound is None:
+        if auto:
+            # The better of this tier's own rows (loading all) and recomputing, same run.
+            loads = [self.report.find(n, pct, tier, m) for m in ("whole", "layerwise")]
+            bound = min([c.ttft_s for c in loads if c is not None] + [self.recompute_s[n]])
+        elif load_bound is None:
             bound = self.recompute_s[n]
         elif mode == "layerwise":
             bound = max(load_bound, compute or 0.0)
@@ -1051,9 +1105,15 @@ class Bench:
             load_bound_s=load_bound,
             bound_s=bound,
             recompute_s=self.recompute_s[n],
+            claimed_tokens=sorted(set(claims)) if auto else [],
         )
         self.add(case)
         ratio = f", {case.ratio:.2f}x its bound" if case.ratio is not None else ""
+        if auto:
+            ratio = (
+                f", {case.ratio:.2f}x min(load all, recompute) (claimed "
+                f"{'/'.join(map(str, case.claimed_tokens))} of {request.cached_tokens} tokens)"
+            )
         log(
             f"[{n}] {tier} {mode} {pct}% cached: TTFT {1e3 * ttft:.1f} ms{ratio}, speedup "
             f"{case.speedup:.2f}x over recomputing ({len(times)} runs"
@@ -1263,8 +1323,8 @@ async def l2_phase(
         for n in opts.lengths:
             for pct in (50, 100):
                 request = all_requests[n][pct]
-                # Two modes, each a correctness pass and a timed run: four cold reads.
-                estimate = 4 * request.cached_tokens * opts.shape.kv_bytes_per_token / disk
+                # Three modes, each a correctness pass and a timed run: six cold reads.
+                estimate = 6 * request.cached_tokens * opts.shape.kv_bytes_per_token / disk
                 if estimate > budget:
                     note = (
                         f"L2 cold {n} tokens {pct}%: skipped, about {estimate:.0f} s of disk reads "
@@ -1326,7 +1386,11 @@ def break_even(report: Report) -> dict[str, str]:
     for tier in ("L1", "L2 warm", "L2 cold", "L3"):
         points = []
         for n, recompute_s in recompute:
-            cases = [c for c in report.cases if (c.tier, c.tokens, c.cached_pct) == (tier, n, 100)]
+            cases = [
+                c
+                for c in report.cases
+                if (c.tier, c.tokens, c.cached_pct) == (tier, n, 100) and c.mode != "auto"
+            ]
             if cases:
                 points.append((n, min(c.ttft_s for c in cases), recompute_s))
         if not points:
@@ -1414,6 +1478,15 @@ def summary_lines(report: Report) -> list[str]:
             )
     for tier, text in break_even(report).items():
         lines.append(f"break-even {tier}: loading {text}")
+    for case in report.cases:
+        if case.mode == "auto" and case.ratio is not None:
+            cached = case.tokens * case.cached_pct // 100
+            claims = "/".join(map(str, case.claimed_tokens))
+            lines.append(
+                f"target auto {case.tier}, {case.tokens} tokens, {case.cached_pct}% cached: "
+                f"{case.ratio:.2f}x min(load all, recompute) (claimed {claims} of {cached} "
+                f"tokens; target <= 1.1: {'met' if case.ratio <= 1.1 else 'MISSED'})"
+            )
     if report.disk_gbps is not None:
         lines.append(
             f"note: L2 cold reads come from the device's local disk ({report.disk_gbps:.2f} GB/s "
@@ -1550,7 +1623,11 @@ def plot_speedups(report: Report, ax: Any, lengths: Sequence[int]) -> None:
     for tier in ("L1", "L2 warm", "L2 cold", "L3"):
         points = []
         for n in lengths:
-            cases = [c for c in report.cases if (c.tokens, c.cached_pct, c.tier) == (n, 100, tier)]
+            cases = [
+                c
+                for c in report.cases
+                if (c.tokens, c.cached_pct, c.tier) == (n, 100, tier) and c.mode != "auto"
+            ]
             if cases:
                 points.append((n, max(c.speedup or 0.0 for c in cases)))
         if points:
