@@ -335,7 +335,7 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
         # Registration prepared the CUDA mover: kernels loaded, slots and buffers allocated.
         cuda = device_mover.cuda
         assert isinstance(cuda, CudaMover)
-        state = next(iter(cuda._devices.values()))
+        state = cuda.device_state(caches.physical[0].device)
         assert state.store.slots and state.load.slots
         assert len(state.buffers) >= 2 and all(b.capacity >= 8 for b in state.buffers)
         tokens = list(range(64))

@@ -12,7 +12,8 @@ import torch
 from tests.kvfactory import FORMATS, make_caches
 from tiered_kv.errors import TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, check_layers, layer_places
-from tiered_kv.gpu.mover import MoverOptions, _hold
+from tiered_kv.gpu.calls import hold
+from tiered_kv.gpu.mover import MoverOptions
 from tiered_kv.gpu.plan import (
     MAX_JOBS,
     LayoutPlan,
@@ -167,9 +168,9 @@ def test_a_freed_object_in_a_call_leaves_no_reference_behind() -> None:
     transfers = [ChunkTransfer(o, 32 * i) for i, o in enumerate(live)]
     live[1].unref()  # freed: its transfer is stale
     with pytest.raises(TieredKVError, match="freed"):
-        _hold(transfers)
+        hold(transfers)
     assert live[0].refcount == 1 and live[2].refcount == 1
-    held = _hold([transfers[0], transfers[2]])
+    held = hold([transfers[0], transfers[2]])
     assert [o.refcount for o in held] == [2, 2]
     for obj in (*held, live[0], live[2]):
         obj.unref()

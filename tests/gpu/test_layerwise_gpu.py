@@ -23,11 +23,10 @@ import torch
 
 from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine, TieredKVError
-from tiered_kv.gpu import mover as mover_module
+from tiered_kv.gpu import layerwise
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.events import CudaLayerLoad
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
-from tiered_kv.gpu.plan import GroupPlan
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.gpu.staging import Job
 from tiered_kv.layout import KVCacheLayout, build_layout
@@ -59,6 +58,11 @@ def _transfers(objs: Sequence[MemoryObj], skip: int) -> list[ChunkTransfer]:
         ChunkTransfer(obj, i * CHUNK, min(obj.num_tokens, max(0, skip - i * CHUNK)))
         for i, obj in enumerate(objs)
     ]
+
+
+def _queued(load: CudaLayerLoad) -> list[bool]:
+    """Per layer, whether its copies are queued."""
+    return [load.has_event(layer) for layer in range(load.num_layers)]
 
 
 @pytest.fixture
@@ -195,34 +199,15 @@ async def _landed_whole(
 
 
 class HookedMover(CudaMover):
-    """Calls ``before_launch`` on the loop's thread before each copy kernel is enqueued."""
+    """Calls ``before_launch`` on the launching thread before each staging fill's kernel is
+    enqueued (the launcher's ``before_fill_launch`` seam)."""
+
+    def __init__(self, options: MoverOptions) -> None:
+        super().__init__(options)
+        self.launcher.before_fill_launch = self.before_launch
 
     def before_launch(self, side: Any, to_host: bool, jobs: Sequence[Job]) -> None:
         pass
-
-    def _launch_jobs(
-        self,
-        state: Any,
-        group: GroupPlan,
-        jobs: Sequence[Job],
-        *,
-        side: Any,
-        to_host: bool,
-        block_size: int,
-        device_ids: int,
-        ctas: int,
-    ) -> None:
-        self.before_launch(side, to_host, jobs)
-        super()._launch_jobs(
-            state,
-            group,
-            jobs,
-            side=side,
-            to_host=to_host,
-            block_size=block_size,
-            device_ids=device_ids,
-            ctas=ctas,
-        )
 
 
 class DelayedLayerMover(HookedMover):
@@ -324,7 +309,7 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad)
         # Returned with layers 0 to 2 queued (by the loop: MIN_LEAD_LAYERS), not the rest.
-        assert load._has_event == [True, True, True, False]
+        assert _queued(load) == [True, True, True, False]
         assert mover.threads_of(2) == {loop_thread}
         stream = torch.cuda.Stream()
         queued: list[list[bool]] = []
@@ -332,7 +317,7 @@ async def test_the_model_thread_queues_the_layers_it_waits_for() -> None:
         def model_thread() -> int:
             for layer in range(4):
                 load.wait_layer(layer, stream)
-                queued.append(list(load._has_event))
+                queued.append(_queued(load))
             return threading.get_ident()
 
         model = await asyncio.to_thread(model_thread)
@@ -363,7 +348,7 @@ async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_co
         expected = caches.snapshot()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad)
-        returned = list(load._has_event)
+        returned = _queued(load)
         assert returned == [True] * 4 + [False] * 4  # fills of layers 0, 1, then 2-3
         stream = torch.cuda.Stream()
         queued: list[list[bool]] = []
@@ -372,13 +357,13 @@ async def test_a_wait_queues_a_lead_fill_only_while_the_gpu_has_model_work_to_co
             for layer in range(2):  # an idle GPU, two layers queued beyond layer 1
                 stream.synchronize()  # the last wait's mark reached
                 load.wait_layer(layer, stream)
-                queued.append(list(load._has_event))
+                queued.append(_queued(load))
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP_CYCLES)  # "the model's layer 1", still running ...
             load.wait_layer(2, stream)  # ... beyond a short lead: a fill regardless
-            queued.append(list(load._has_event))
+            queued.append(_queued(load))
             load.wait_layer(3, stream)  # two layers beyond, but layer 2's mark not reached
-            queued.append(list(load._has_event))
+            queued.append(_queued(load))
             for layer in range(4, 8):
                 load.wait_layer(layer, stream)
 
@@ -395,7 +380,7 @@ async def test_a_small_loads_first_layers_are_mapped_launches_queued_before_it_r
 ) -> None:
     # Layers of 6 KiB; the front takes layers up to MAPPED_FRONT_LAYER_BYTES each.
     if not small:
-        monkeypatch.setattr(mover_module, "MAPPED_FRONT_LAYER_BYTES", 4 << 10)
+        monkeypatch.setattr(layerwise, "MAPPED_FRONT_LAYER_BYTES", 4 << 10)
     mover = RecordingMover(MoverOptions(path="staging", staging_slot_bytes=6 << 10))
     async with _one_layer_per_fill(mover, 13, num_layers=8) as parts:
         caches, layout, objs, src, dst, reference = parts
@@ -407,7 +392,7 @@ async def test_a_small_loads_first_layers_are_mapped_launches_queued_before_it_r
         front = 4 if small else 0
         # Queued before returning: the front's layers, one mapped launch each and no staging
         # fill; without a front, staging fills through layer MIN_LEAD_LAYERS (by the loop).
-        assert load._has_event == [True] * max(front, 3) + [False] * (8 - max(front, 3))
+        assert _queued(load) == [True] * max(front, 3) + [False] * (8 - max(front, 3))
         staged_early = [layer for layer in range(8) if mover.threads_of(layer)]
         assert staged_early == ([] if small else [0, 1, 2])
         assert mover.stats()["kernel_launches"] - launches == (4 if small else 3)
@@ -430,7 +415,7 @@ async def test_a_load_nobody_waits_for_is_queued_by_the_loop_and_completes() -> 
         expected = caches.snapshot()
         load = await mover.scatter_layerwise(layout, dst, _transfers(objs, 0))
         assert isinstance(load, CudaLayerLoad) and load.pulled is not None
-        assert not load._has_event[3]
+        assert not load.has_event(3)
         # No wait_layer, no wait(): the loop queues the rest once the copies should be over.
         await asyncio.wait_for(asyncio.shield(load.pulled), timeout=30)
         assert mover.threads_of(3) == {threading.get_ident()}
@@ -476,7 +461,7 @@ async def test_a_freed_object_fails_a_layerwise_call_before_it_takes_a_pooled_bu
     try:
         objs = _objects(arena, layout, 96)
         await mover.gather(layout, [0, 1, 2, 3, 4, 5], _transfers(objs, 0))  # fills the pool
-        state = mover._state(layout.device)
+        state = mover.device_state(layout.device)
         pooled = len(state.buffers)
         assert pooled >= 1
         objs[1].unref()  # freed: its transfer is stale

@@ -304,8 +304,8 @@ async def probe(case: Case, reps: int, profile: bool = False) -> None:
             profiler.disable()
             print_line(f"probe profile: {reps} stores of {n} chunks, by own time")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
-    state = mover._state(case.layout.device)
-    plan = mover._plan(state, case.layout)
+    state = mover.device_state(case.layout.device)
+    plan = state.plan(case.layout)
     group = plan.groups[0]
     staging = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     ids = torch.tensor(case.blocks_a, dtype=torch.int32, device="cuda")
@@ -318,7 +318,7 @@ async def probe(case: Case, reps: int, profile: bool = False) -> None:
     for ctas in (16, 32, 64, 132, 264, 528):
         for to_host in (True, False):
             launch = functools.partial(
-                mover._launch,
+                mover.launcher.launch,
                 state,
                 group,
                 stream,

@@ -63,9 +63,9 @@ class CallBuffers:
 
 
 class LayerPull(Protocol):
-    """What a staging layerwise load's waiters call (`CudaMover`'s `_LoadPull`): ``pull(i)``
-    queues what layer ``i`` needs (None: everything); ``mark(stream)`` notes where the waiting
-    stream is, once it waits for a layer."""
+    """What a staging layerwise load's waiters call (`layerwise.LoadPull`): ``pull(i)`` queues
+    what layer ``i`` needs (None: everything); ``mark(stream)`` notes where the waiting stream
+    is, once it waits for a layer."""
 
     def __call__(self, layer: int | None) -> None: ...
 
@@ -74,20 +74,13 @@ class LayerPull(Protocol):
 
 class CudaLayerLoad(LayerLoad):
     """A layerwise scatter on the load streams. ``events[i]`` is recorded once the last copy of
-    model layer ``i`` is queued; ``result`` resolves when the waiter has seen the whole call
-    finish.
+    model layer ``i`` is queued; ``result`` resolves when the whole call has finished.
 
-    On the staging path (`CudaMover.scatter_layerwise` returns once the first layers are queued)
-    the rest is queued by its waiters (``pull``, a `_LoadPull` of the mover): ``wait_layer(i)``
-    queues what layer ``i`` still lacks (or, from the second wait on, one fill of a lead beyond
-    it when the lead is short or the GPU has model work queued to cover it: ``mark``) on the
-    calling thread, then orders the stream after layer ``i``'s event, so on the GPU each
-    layer waits for its own copies only and the host never waits for another thread. The model's
-    own thread does the enqueue: a second Python thread enqueueing beside the model would trade
-    the GIL with it at every driver call (docs/layerwise.md says what that cost).
-
-    Other paths (a kernel or a batched copy per layer) are enqueued whole by a task of the
-    loop (``task``) before the call returns.
+    On the staging path the rest of the load is queued by its waiters: ``wait_layer(i)`` has
+    ``pull`` queue what layer ``i`` lacks on the calling thread (the model's own: a second
+    Python thread enqueueing beside it would trade the GIL with it, docs/layerwise.md), then
+    orders the stream after layer ``i``'s event only. Other paths are enqueued whole by a task
+    of the loop (``task``) before the load is returned.
     """
 
     def __init__(self, device: torch.device, num_layers: int) -> None:

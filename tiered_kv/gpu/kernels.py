@@ -4,7 +4,7 @@ Owns: reading kernel sources (package data ``tiered_kv.cuda_src``), compiling th
 through cuda-python for one architecture, a cubin cache keyed by (source hash, options, arch,
 NVRTC version, schema) with atomic writes and verified reads, and loading the module once per
 device into the device's primary context (the one torch uses). Compile failures raise
-`KernelCompileError` with the NVRTC log. Never launches anything itself (`mover.py` does).
+`KernelCompileError` with the NVRTC log. Never launches anything itself (`launch.py` does).
 
 Compiling needs only the NVRTC library, not a GPU: CI compiles every kernel for sm_80 and sm_90.
 """

@@ -3,8 +3,9 @@
 Owns: each layer group's byte strides, copy width and device table of layer pointers
 (`GroupPlan`), the path chosen per layout (`choose_path`), how a call's chunks and layers are
 packed into staging fills (`slot_fills`: chunk-major for whole calls, layer-major for layerwise
-ones) and the contiguous runs of the DMA-only path (`runs`). Pure planning: it enqueues nothing
-and, but for the pointer table it uploads, touches no GPU state.
+ones), which local layers of each group a call moves (`layer_ranges`) and the contiguous runs
+of the DMA-only path (`runs`). Pure planning: it enqueues nothing and, but for the pointer
+table it uploads, touches no GPU state.
 """
 
 from __future__ import annotations
@@ -308,6 +309,30 @@ def _pieces(
         group = plan.groups[index]
         for i, (transfer, per_layer) in enumerate(zip(transfers, sizes[index], strict=True)):
             yield group, transfer, local, local + 1, per_layer, layer if i == last else None
+
+
+def layer_ranges(
+    plan: LayoutPlan, layers: Sequence[int] | None
+) -> list[tuple[GroupPlan, list[tuple[int, int]]]]:
+    """Per group, the [first, end) ranges of its local layers to move: all, or those of model
+    ``layers`` (groups without any are left out)."""
+    if layers is None:
+        return [(group, [(0, group.num_layers)]) for group in plan.groups]
+    places = plan.places
+    local: dict[int, list[int]] = {}
+    for layer in layers:
+        index, position = places[layer]
+        local.setdefault(index, []).append(position)
+    out = []
+    for index, positions in sorted(local.items()):
+        ranges: list[tuple[int, int]] = []
+        for position in sorted(positions):
+            if ranges and ranges[-1][1] == position:
+                ranges[-1] = (ranges[-1][0], position + 1)
+            else:
+                ranges.append((position, position + 1))
+        out.append((plan.groups[index], ranges))
+    return out
 
 
 def runs(

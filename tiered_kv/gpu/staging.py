@@ -3,8 +3,9 @@ GPU staging slots whose events order every use of a slot across calls.
 
 A gather fill is a kernel (paged cache → slot) then DMAs (slot → pinned host); a scatter fill
 is DMAs (host → slot) then a kernel (slot → paged cache). Fills of consecutive slots overlap:
-the kernel of one with the DMA of the previous. Called on the loop thread only (the ring's
-state is unlocked).
+the kernel of one with the DMA of the previous. The ring's state is unlocked: its callers
+serialize each ring (launch.py enqueues under the mover's lock, from the loop or a thread
+pulling a layerwise load; a layerwise gather enqueues on the loop, the store ring's only thread).
 """
 
 from __future__ import annotations

@@ -1,0 +1,212 @@
+"""One `CudaMover` call from enqueue to release, and the tracker that finishes it on the loop.
+
+Owns `Call` (a gather or scatter: the references to its objects, its pooled `CallBuffers`, its
+order after the caller) and `CallTracker` (the calls on the GPU, the `CompletionWaiter` thread
+that sees each end, the per-call counters). A call releases its references and buffers only
+once the GPU is done with them (`CallTracker` on completion, or its enqueuer after a
+synchronize when enqueueing failed), whatever happens to its caller. Enqueues no copies
+(launch.py, dma.py and staging.py do). Calls are made, submitted and finished on the loop
+thread; a layerwise load's call is also enqueued on the model's thread (layerwise.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.errors import TieredKVError
+from tiered_kv.gpu.base import ChunkTransfer
+from tiered_kv.gpu.completion import CompletionWaiter
+from tiered_kv.gpu.device import DeviceState
+from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
+from tiered_kv.gpu.plan import PATHS, LayoutPlan
+from tiered_kv.gpu.staging import Direction
+from tiered_kv.memory import MemoryObj
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Call:
+    """One gather or scatter from enqueue to release."""
+
+    direction: str
+    state: DeviceState
+    side: Direction
+    buffers: CallBuffers
+    held: list[MemoryObj]
+    nbytes: int
+    result: asyncio.Future[float]
+    path: str
+    start: float
+    trace: dict[str, Any] | None = None
+    layers: tuple[int, ...] | None = None  # model layers moved (None: all, chunk-major)
+    after: Any = None  # event the paged-cache side waits for, instead of the caller's stream
+    load: CudaLayerLoad | None = None  # a layerwise scatter's, with its per-layer events
+    learn: bool = True  # teach the clock this call's rate (not for gathers with gaps)
+
+    def open(self, plan: LayoutPlan, caller: torch.cuda.Stream, to_host: bool) -> None:
+        """Order the call after the caller's queued work and record its ``begun`` event."""
+        side, buffers = self.side, self.buffers
+        ready = self.after
+        if ready is None:
+            ready = buffers.ready
+            ready.record(caller)
+        # Whatever first touches the paged cache waits for the caller's queued work (or the
+        # producer's event): the kernels, or the copies on the DMA-only path. (Staging DMAs are
+        # ordered through the slot events.)
+        first = side.dma_stream if plan.path == "dma" else side.kernel_stream
+        first.wait_event(ready)
+        # `begun` precedes all of the call's GPU work (a staging scatter starts with DMAs that
+        # need not wait for the caller), so the clock never learns a rate faster than the link.
+        opening = side.dma_stream if plan.path == "staging" and not to_host else first
+        buffers.begun.record(opening)
+
+    def layer_steps(self) -> list[tuple[int, ...] | None]:
+        """How the mapped and DMA paths enqueue the call: whole (None), one step of all its
+        layers, or one step per layer when a layerwise load needs an event after each."""
+        if self.load is not None and self.layers is not None:
+            return [(layer,) for layer in self.layers]
+        return [self.layers]
+
+    def record_layers(self, layers: tuple[int, ...] | None, stream: torch.cuda.Stream) -> None:
+        """A layerwise load's step of ``layers`` is queued on ``stream``: record their events."""
+        if self.load is not None and layers is not None:
+            for layer in layers:
+                self.load.record_layer(layer, stream)
+
+    def release(self) -> None:
+        """Drop the references and return the buffers (only once the GPU is done with them)."""
+        for obj in self.held:
+            obj.unref()
+        self.held = []
+        self.state.buffers.append(self.buffers)
+
+
+def hold(transfers: Sequence[ChunkTransfer]) -> list[MemoryObj]:
+    """A reference to every transfer's object; none if one of them is already freed."""
+    held: list[MemoryObj] = []
+    try:
+        for transfer in transfers:
+            held.append(transfer.obj.ref())
+    except BaseException:
+        for obj in held:
+            obj.unref()
+        raise
+    return held
+
+
+def new_call(
+    state: DeviceState,
+    side: Direction,
+    direction: str,
+    held: list[MemoryObj],
+    path: str,
+    *,
+    nbytes: int = 0,
+    start: float | None = None,
+    **fields: Any,
+) -> Call:
+    """A call on ``side`` holding ``held`` and the pool's next buffers. The references come in
+    taken (`hold`) before the buffers are: a freed object fails the call before it costs the
+    pool a buffer set."""
+    return Call(
+        direction=direction,
+        state=state,
+        side=side,
+        buffers=state.take_buffers(),
+        held=held,
+        nbytes=nbytes,
+        result=asyncio.get_running_loop().create_future(),
+        path=path,
+        start=time.perf_counter() if start is None else start,
+        **fields,
+    )
+
+
+def retrieved(result: asyncio.Future[float]) -> None:
+    """A layerwise load's result may never be awaited: mark its exception as seen."""
+    if not result.cancelled():
+        result.exception()
+
+
+class CallTracker:
+    """The calls of one mover on the GPU: each is handed to the completion waiter and finished
+    on its loop (learn the rate, count, release, resolve); `drain` waits for all of them."""
+
+    def __init__(self) -> None:
+        # Completion is seen by this thread (sleep, then poll near the predicted end).
+        self.waiter = CompletionWaiter()
+        self.counters: dict[str, int | float] = {
+            f"{direction}_{path}_{what}": 0
+            for direction in ("gather", "scatter")
+            for path in PATHS
+            for what in ("bytes", "calls")
+        }
+        self.counters.update(
+            bytes_gathered=0, bytes_scattered=0, gather_seconds=0.0, scatter_seconds=0.0
+        )
+        self._inflight: set[Call] = set()
+        self._idle: asyncio.Future[None] | None = None
+
+    def submit(
+        self,
+        call: Call,
+        predicted_start: float,
+        predicted: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """``call`` is wholly queued, ending with ``call.buffers.done``: finish it on ``loop``
+        once the waiter sees that event (polling from ``predicted`` seconds after
+        ``predicted_start``)."""
+        self._inflight.add(call)
+        self.waiter.submit(
+            call.buffers.done,
+            predicted_start,
+            predicted,
+            loop,
+            lambda seen, error: self._finish(call, seen, error),
+        )
+
+    def _finish(self, call: Call, seen: float, error: BaseException | None) -> None:
+        """On the call's loop, once the waiter saw its last event (or a CUDA error polling it):
+        learn the rate, count, release, hand the caller its result."""
+        buffers = call.buffers
+        if call.trace is not None:
+            call.trace["finish"] = time.perf_counter()
+        if error is None:
+            if call.learn:  # a layerwise store's GPU time includes waits for its producer
+                seconds = buffers.begun.elapsed_time(buffers.done) / 1e3
+                call.side.clock.observe(call.nbytes, seconds)
+            direction = call.direction
+            self.counters[f"{direction}_{call.path}_bytes"] += call.nbytes
+            self.counters[f"{direction}_{call.path}_calls"] += 1
+            self.counters[f"{direction}_seconds"] += time.perf_counter() - call.start
+            self.counters["bytes_gathered" if direction == "gather" else "bytes_scattered"] += (
+                call.nbytes
+            )
+        # After a fault the context is unusable: nothing on the GPU touches the objects again.
+        call.release()
+        self._inflight.discard(call)
+        if not call.result.done():  # the caller may have been cancelled
+            if error is None:
+                call.result.set_result(seen)
+            else:
+                call.result.set_exception(
+                    TieredKVError(f"CudaMover: {call.direction} failed on the GPU: {error}")
+                )
+        if not self._inflight and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    async def drain(self) -> None:
+        """Until no call is on the GPU (their callers may be gone)."""
+        while self._inflight:
+            self._idle = asyncio.get_running_loop().create_future()
+            await self._idle
+
+    def close(self) -> None:
+        """Stop the waiter's thread (after `drain`)."""
+        self.waiter.close()
