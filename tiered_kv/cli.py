@@ -339,6 +339,7 @@ def run_serve(args: argparse.Namespace) -> int:
             header_timeout_s=args.header_timeout or None,
             idle_timeout_s=args.idle_timeout or None,
             max_auth_bytes=args.max_auth_bytes,
+            read_delay_s=args.read_delay,
         )
     except ConfigError as exc:
         print(f"tiered-kv serve: {exc}", file=sys.stderr)
@@ -426,6 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=defaults.max_auth_bytes,
         help="largest AUTH read before a connection has authenticated (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--read-delay",
+        type=float,
+        default=defaults.read_delay_s,
+        metavar="SECONDS",
+        help="wait this long before answering each read: a slow or distant store, to test "
+        "and measure what clients do then (default: %(default)s)",
     )
     return parser
 

@@ -448,25 +448,7 @@ class TieredKVEngine:
         token_ids = _whole_blocks(reg, token_ids)
         keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
-        where = await storage.locate(keys)
-        if self.config.load_policy == "cost" and where:
-            claim = choose_claim(
-                [-1 if w is None else w for w in where],
-                chunk_tokens=self.config.chunk_size,
-                chunk_bytes=reg.layout.layout_desc.nbytes(self.config.chunk_size),
-                total_tokens=num_tokens,
-                tiers=storage.costs,
-                recompute=self.recompute,
-                layerwise=(
-                    reg.layout.device.type == "cuda"
-                    if self.config.layerwise is None
-                    else self.config.layerwise
-                ),
-            )
-            storage.note_declined(claim)
-            if claim.declined:
-                self._probe_declined(reg, keys, where, claim.chunks, num_tokens)
-            where = where[: claim.chunks]
+        where = self._worth_loading(reg, keys, await storage.locate(keys), num_tokens)
         tokens = min(len(where) * self.config.chunk_size, num_tokens)
         self._counters.lookup_calls += 1
         self._counters.lookup_hit_tokens += tokens
@@ -482,6 +464,37 @@ class TieredKVEngine:
                 if stale is not None:
                     stale.release_unused()
         return tokens
+
+    def _worth_loading(
+        self,
+        reg: Registration,
+        keys: Sequence[ChunkKey],
+        where: list[int | None],
+        num_tokens: int,
+    ) -> list[int | None]:
+        """``where`` (a located prefix) cut to the claim worth loading under
+        ``load_policy="cost"`` (`choose_claim`), counting what is declined and probing its
+        tiers; unchanged under "always"."""
+        if self.config.load_policy != "cost" or not where:
+            return where
+        storage = self._require_storage()
+        claim = choose_claim(
+            [-1 if w is None else w for w in where],
+            chunk_tokens=self.config.chunk_size,
+            chunk_bytes=reg.layout.layout_desc.nbytes(self.config.chunk_size),
+            total_tokens=num_tokens,
+            tiers=storage.costs,
+            recompute=self.recompute,
+            layerwise=(
+                reg.layout.device.type == "cuda"
+                if self.config.layerwise is None
+                else self.config.layerwise
+            ),
+        )
+        storage.note_declined(claim)
+        if claim.declined:
+            self._probe_declined(reg, keys, where, claim.chunks, num_tokens)
+        return where[: claim.chunks]
 
     def _probe_declined(
         self,
@@ -564,6 +577,7 @@ class TieredKVEngine:
         model_name: str | None = None,
         salt: KeySalt | None = None,
         from_token: int = 0,
+        worth_loading: bool = False,
     ) -> PrefetchHandle:
         """Start loading the cached prefix of ``token_ids`` into L1 and return its handle.
 
@@ -571,6 +585,9 @@ class TieredKVEngine:
         to free its reservations. A retrieve of the same tokens uses whatever it loaded.
         ``from_token`` starts the prefix at the chunk holding that token (the handle's
         ``first_chunk``): a sliding-window layer group keeps only the chunks of its window.
+        ``worth_loading``: the prefix is cut as `lookup` cuts it under ``load_policy="cost"``
+        (a serving stack's lookup that prefetches what it claims); with ``from_token`` > 0 the
+        caller has decided already and it is ignored.
         """
         storage = self._require_storage()
         reg = self._registration(model_name)
@@ -581,6 +598,8 @@ class TieredKVEngine:
             raise LayoutError(f"prefetch: from_token must be >= 0, got {from_token}")
         first = min(from_token // self.config.chunk_size, len(keys))
         where = await storage.locate(keys[first:])
+        if worth_loading and first == 0:
+            where = self._worth_loading(reg, keys, where, _count(token_ids))
         self._counters.prefetch_calls += 1
         return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=first)
 

@@ -433,6 +433,8 @@ def test_server_options_validate_the_connection_bounds() -> None:
         ("header_timeout_s", -1.0),
         ("idle_timeout_s", 0.0),
         ("max_auth_bytes", 0),
+        ("read_delay_s", -0.5),
+        ("read_delay_s", float("nan")),
     ):
         with pytest.raises(ConfigError, match=name):
             ServerOptions(**{name: value})  # type: ignore[arg-type]

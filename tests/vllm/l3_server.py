@@ -12,15 +12,20 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def l3_server(log_path: Path, capacity: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Yield the server's ``tkv://`` URL and its process (tests kill it); stopped on exit."""
+def l3_server(
+    log_path: Path, capacity: str, *, read_delay_s: float = 0.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Yield the server's ``tkv://`` URL and its process (tests kill it); stopped on exit.
+    ``read_delay_s``: the server's ``--read-delay`` (a slow store)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     command = [sys.executable, "-m", "tiered_kv.cli", "serve", "--port", str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [*command, "--capacity", capacity], stdout=log, stderr=subprocess.STDOUT
+            [*command, "--capacity", capacity, "--read-delay", str(read_delay_s)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             deadline = time.monotonic() + 30

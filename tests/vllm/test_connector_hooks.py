@@ -446,3 +446,25 @@ def test_hybrid_load_that_falls_short_is_a_failed_receive(
         assert worker.get_block_ids_with_load_errors() == set()  # never per block
     finally:
         worker.shutdown()
+
+
+def test_a_step_is_timed_as_a_prefill_only_when_one_prefill_dominates_it() -> None:
+    from tiered_kv.integrations.vllm import prefill_of_step
+
+    assert prefill_of_step({"a": 512}, {"a": 256}) == (512, 256)
+    assert prefill_of_step({"a": 512, "b": 1, "c": 1}, {"a": 0, "b": 90}) == (514, 0)
+    assert prefill_of_step({"a": 512, "b": 64}, {"a": 0, "b": 0}) is None  # two prefills
+    assert prefill_of_step({"a": 1, "b": 1}, {"a": 10, "b": 20}) is None  # decodes only
+    assert prefill_of_step({}, {}) is None
+
+
+def test_observe_prefill_refuses_nonsense() -> None:
+    host = EngineHost(EngineConfig(chunk_size=CHUNK, l1_size="1MiB"))
+    try:
+        for args in ((0, 0, 0.1), (10, -1, 0.1), (10, 0, 0.0), (10, 0, float("inf"))):
+            with pytest.raises(ValueError, match="observe_prefill"):
+                host.observe_prefill(*args)
+        host.observe_prefill(100, 0, 0.01)
+        assert host.stats()["host"]["prefills_observed"] == 1
+    finally:
+        host.close()

@@ -1,13 +1,15 @@
 """`EngineHost`: a `TieredKVEngine` on its own event-loop thread, for serving-stack workers.
 
-Owns the engine, its loop thread, the per-request prefetches that lookups start (keyed by the
-serving stack's request id, released when the request is loaded, finished or abandoned; once a
-lookup has answered, the L1 chunks of its answer are pinned there until then, within a byte
-budget and a deadline, so that the claim holds), the
-`LookupServer` that answers a scheduler in another thread or process, and, while someone
-watches the tiers (`watch_tiers`), the token ids of recently stored or looked-up chunks, so
-that tier events can say which tokens a chunk holds (`tier_events`). Blocking methods are for
-the worker's own threads; everything touching the engine or the prefetches runs on the loop.
+Owns the engine (whose lookups claim only what ``load_policy`` finds worth loading, from the
+prefill times the serving stack reports with `observe_prefill`), its loop thread, the
+per-request prefetches that lookups start (keyed by the serving stack's request id, released
+when the request is loaded, finished or abandoned; once a lookup has answered, the L1 chunks
+of its answer are pinned there until then, within a byte budget and a deadline, so that the
+claim holds), the `LookupServer` that answers a scheduler in another thread or process, and,
+while someone watches the tiers (`watch_tiers`), the token ids of recently stored or looked-up
+chunks, so that tier events can say which tokens a chunk holds (`tier_events`).
+Blocking methods are for the worker's own threads; everything touching the engine or the
+prefetches runs on the loop.
 Must not import a serving stack or touch KV bytes itself (the engine's mover does).
 """
 
@@ -101,6 +103,7 @@ class HostCounters:
     pins_expired: int = 0  # answers whose pins outlived ``pin_timeout_s`` (released)
     pins_over_budget: int = 0  # answers not wholly pinned: ``pin_budget_bytes`` reached
     partial_chunk_hits: int = 0  # lookups extended by a stored partial chunk
+    prefills_observed: int = 0  # prefill times reported to the recompute model
 
 
 class EngineHost(SyncTieredKVEngine):
@@ -295,6 +298,20 @@ class EngineHost(SyncTieredKVEngine):
 
         return self._call(stats())
 
+    def observe_prefill(self, new_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        """A prefill the model ran (`TieredKVEngine.observe_prefill`: the recompute model of
+        ``load_policy="cost"``). Returns at once: the observation is queued onto the loop."""
+        if new_tokens < 1 or prefix_tokens < 0 or not 0 < seconds < float("inf"):
+            raise ValueError(
+                f"observe_prefill: expected new_tokens >= 1, prefix_tokens >= 0 and seconds > 0, "
+                f"got {new_tokens}, {prefix_tokens}, {seconds}"
+            )
+        if not self._closed:
+            self._loop.call_soon_threadsafe(
+                self._engine.observe_prefill, new_tokens, prefix_tokens, seconds
+            )
+        self.counters.prefills_observed += 1
+
     def watch_tiers(self, capacity: int = 8192, remembered_chunks: int = 8192) -> None:
         """Record chunks entering and leaving every tier from now on (`tier_events` drains
         them): at most ``capacity`` undrained events (the oldest are dropped beyond, counted in
@@ -476,7 +493,7 @@ class EngineHost(SyncTieredKVEngine):
         for group in groups:
             if group.sliding_window is None:
                 handle = await self._engine.prefetch(
-                    token_ids, model_name=group.model_name, salt=salt
+                    token_ids, model_name=group.model_name, salt=salt, worth_loading=True
                 )
                 handles[group.model_name] = handle
                 located = min(located, handle.hit_tokens)
@@ -498,7 +515,9 @@ class EngineHost(SyncTieredKVEngine):
         longer follow-up extends): its key is that of the prefix cut at a whole block. Partial
         chunks are looked for in the tiers' indexes (no I/O per candidate: a remote tier knows
         the keys it has seen)."""
-        handle = await self._engine.prefetch(token_ids, model_name=model_name, salt=salt)
+        handle = await self._engine.prefetch(
+            token_ids, model_name=model_name, salt=salt, worth_loading=True
+        )
         hit, chunk, block = handle.hit_tokens, self.config.chunk_size, max(self._block_size, 1)
         if hit >= len(token_ids) or hit % chunk:
             return handle
@@ -509,7 +528,7 @@ class EngineHost(SyncTieredKVEngine):
             if self._engine.tier_of(keys[-1]) is None:
                 continue
             partial = await self._engine.prefetch(
-                token_ids[: hit + length], model_name=model_name, salt=salt
+                token_ids[: hit + length], model_name=model_name, salt=salt, worth_loading=True
             )
             if partial.hit_tokens == hit + length:
                 handle.cancel()

@@ -188,6 +188,9 @@ class TieredKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     stores: list[StoreSpec] = dataclasses.field(default_factory=list)
     release: list[str] = dataclasses.field(default_factory=list)
+    # (new tokens, prefix tokens) when the step is one request's prefill (`prefill_of_step`):
+    # the workers time its forward pass for the recompute model of load_policy "cost".
+    prefill: tuple[int, int] | None = None
 
 
 # -- stats through vLLM ---------------------------------------------------------------------------
@@ -224,11 +227,16 @@ _HOST_STATS = (
     "lookups_pending",
     "lookup_seconds",
     "tier_events_dropped",
+    "prefills_observed",
 )
 # Worker-side stats: name -> the engine-host stats entries (section, key) it sums.
 WORKER_STATS: dict[str, tuple[tuple[str, str], ...]] = {
     **{name: (("host", name),) for name in _HOST_STATS},
     **{f"storage_hits_{tier}": (("storage", f"hits_{tier}"),) for tier in ("l1", "l2", "l3")},
+    **{
+        f"declined_chunks_{tier}": (("storage", f"{tier}_declined_chunks"),)
+        for tier in ("l2", "l3")
+    },
     "prefetch_failed": (("prefetch", "failed"),),
     "l2_errors": (("storage", "l2_read_failures"),),
     "l3_errors": (("storage", "l3_read_failures"), ("l3", "exists_failures")),
@@ -352,6 +360,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._host: EngineHost | None = None
         self._layerwise = False  # decided at registration (EngineConfig.layerwise)
         self._layer_index: dict[str, int] = {}  # layer name -> registration order
+        self._on_cuda = False  # the KV caches are CUDA tensors (set at registration)
+        self._step_started: float | None = None  # perf_counter() at the step's metadata
+        self._loads_timed: tuple[float, float] | None = None  # start_load_kv's begin and end
         self._loads: list[SyncLayerwiseRetrieve] = []  # this step's layerwise loads
         self._savers: list[tuple[str, SyncLayerwiseStore]] = []  # this step's layerwise stores
         self._stores_begun = False  # the step's first save_kv_layer has staged its stores
@@ -439,7 +450,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         if self._hybrid:
             layerwise = False
-        self._layerwise = first.device.type == "cuda" if layerwise is None else layerwise
+        self._on_cuda = first.device.type == "cuda"
+        self._layerwise = self._on_cuda if layerwise is None else layerwise
         self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         logger.info(
             "TieredKVConnector: %d layers registered (%s, strides %s, hints %s), rank %d/%d, "
@@ -453,7 +465,21 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             "layerwise" if self._layerwise else "whole",
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The step's forward pass starts about now (before it: start_load_kv when the step
+        # has synchronous loads, see `_observe_prefill`).
+        self._step_started = time.perf_counter()
+        self._loads_timed = None
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        began = time.perf_counter()
+        try:
+            self._start_loads()
+        finally:
+            self._loads_timed = (began, time.perf_counter())
+
+    def _start_loads(self) -> None:
         meta = self._metadata()
         host = self._require_host()
         self._finish_loads()
@@ -645,6 +671,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 )
 
     def wait_for_save(self) -> None:
+        self._observe_prefill(time.perf_counter())
         host = self._require_host()
         savers, self._savers = self._savers, []
         begun, self._stores_begun = self._stores_begun, False
@@ -669,6 +696,36 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning(
                     "TieredKVConnector: store of %s failed", spec.request_id, exc_info=True
                 )
+
+    def _observe_prefill(self, forward_ended: float) -> None:
+        """Report the step's forward time to the recompute model when the step was one
+        request's prefill (``meta.prefill``): from `bind_connector_metadata` (or the end of
+        this step's synchronous loads, which vLLM runs before the forward) to `wait_for_save`.
+        Wall time of the worker's thread: exact on CPU caches, where the forward runs in it;
+        CUDA caches (kernels still queued) and layerwise loads (waits inside the forward) are
+        not timed."""
+        meta = self._connector_metadata
+        host, started = self._host, self._step_started
+        if (
+            not isinstance(meta, TieredKVMetadata)
+            or meta.prefill is None
+            or host is None
+            or started is None
+            or self._layerwise
+            or self._on_cuda
+        ):
+            return
+        loads = self._loads_timed
+        if any(spec.group_block_ids is None for spec in meta.loads):
+            if loads is None:
+                return
+            started = loads[1]  # vLLM loaded before the forward
+        elif loads is not None and loads[0] >= started:
+            forward_ended = min(forward_ended, loads[0])  # vLLM called it after the forward
+        seconds = forward_ended - started
+        if seconds > 0:
+            new_tokens, prefix_tokens = meta.prefill
+            host.observe_prefill(new_tokens, prefix_tokens, seconds)
 
     def _finish_loads(self) -> None:
         """Drop the host references of the step's layerwise loads (the model has waited for
@@ -832,11 +889,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if state.load_pending:
                     self._plan_load(meta, request_id, state, resolve)
         scheduled = scheduler_output.num_scheduled_tokens
+        computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
             self._plan(meta, new.req_id, new.num_computed_tokens, scheduled[new.req_id], resolve)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[index]
             self._plan(meta, req_id, cached.num_computed_tokens[index], scheduled[req_id], resolve)
+        if self.engine_config.load_policy == "cost":
+            meta.prefill = prefill_of_step(scheduled, computed)
         return meta
 
     def _plan(
@@ -964,6 +1026,26 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._host is None:
             raise RuntimeError("TieredKVConnector: no engine on this side (scheduler role?)")
         return self._host
+
+
+PREFILL_SHARE = 16  # a step is timed as a prefill when other requests' tokens are <= 1/16
+
+
+def prefill_of_step(
+    scheduled: Mapping[str, int], computed: Mapping[str, int]
+) -> tuple[int, int] | None:
+    """(new tokens, prefix tokens) when one request's prefill is nearly all of a step's work,
+    else None: the request with the most scheduled tokens (more than one), over ``computed``
+    tokens already resident, while the others (decodes) add at most 1/16 of its tokens. Those
+    are counted as new tokens too, so the estimate errs towards recomputing being slower."""
+    if not scheduled:
+        return None
+    request_id = max(scheduled, key=scheduled.__getitem__)
+    new_tokens = scheduled[request_id]
+    others = sum(scheduled.values()) - new_tokens
+    if new_tokens < 2 or others * PREFILL_SHARE > new_tokens:
+        return None
+    return new_tokens + others, computed.get(request_id, 0)
 
 
 def request_salt(

@@ -93,6 +93,8 @@ class ServerOptions:
     idle_timeout_s: how long a connection may go without sending a byte or taking one of ours,
         a PUT whose data stalls included (None: no bound).
     max_auth_bytes: the largest AUTH meta read before authentication (the token must fit).
+    read_delay_s: seconds every GET waits before its answer, on its connection's thread (a
+        slow or distant store, for tests and benchmarks of what clients do then; 0: none).
     """
 
     host: str = "127.0.0.1"
@@ -105,6 +107,7 @@ class ServerOptions:
     header_timeout_s: float | None = 10.0
     idle_timeout_s: float | None = 300.0
     max_auth_bytes: int = 4096
+    read_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int):
@@ -129,6 +132,9 @@ class ServerOptions:
                 or not 0 < value < math.inf
             ):
                 raise ConfigError(f"{name}: expected seconds > 0 or None (no bound), got {value!r}")
+        delay = self.read_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < 3600:
+            raise ConfigError(f"read_delay_s: expected seconds in [0, 3600), got {delay!r}")
         if self.token is not None and len(self.token) > self.max_auth_bytes:
             raise ConfigError(
                 f"token: {len(self.token)} bytes do not fit in max_auth_bytes={self.max_auth_bytes}"
@@ -378,6 +384,8 @@ class _Connection:
         elif op == Op.PUT:
             self._finish_put(header)
         elif op == Op.GET:
+            if server.options.read_delay_s:
+                time.sleep(server.options.read_delay_s)  # this connection's thread only
             views = store.get_views(check_key(meta, limits))
             server._count("gets")
             if views is None:
