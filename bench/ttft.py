@@ -576,6 +576,9 @@ async def open_engine(
         l3_pool_size=default_pool_size(),
         prefetch_policy="wait_complete",
         prefetch_l1_fraction=0.95,
+        # The whole and layerwise rows measure loading everything; auto rows ask the cost
+        # policy per lookup.
+        load_policy="always",
         close_timeout_s=120.0,
     )
     engine = TieredKVEngine(config)
@@ -1025,7 +1028,7 @@ class Bench:
                 self.runner.sync()
                 collections = len(GC_PAUSES.pauses)
                 start = time.perf_counter()
-                hit = await engine.lookup(request.host_ids)
+                hit = await engine.lookup(request.host_ids, load_policy="cost" if auto else None)
                 load = None
                 loaded = 0
                 if hit:

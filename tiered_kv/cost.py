@@ -11,7 +11,8 @@ has no estimate, unless seeded (`seed`).
 
 `RecomputeCost` learns the prefill time of ``new`` tokens over a resident prefix of ``prefix``
 tokens as ``a·new + b·new·(prefix + new/2) + c`` (the matmuls, the attention over the context,
-a fixed part) from the prefills the serving stack reports, or takes a function of its own.
+a fixed part) from the prefills the serving stack reports, fitted for relative error, or takes
+a function of its own.
 Until it has data it has no estimate.
 
 `choose_claim` compares, for every chunk boundary k of a located prefix, the time to first
@@ -206,7 +207,10 @@ class RecomputeCost:
     def observe(self, new_tokens: int, prefix_tokens: int, seconds: float) -> None:
         if new_tokens <= 0 or prefix_tokens < 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        self._fit.add(self._features(new_tokens, prefix_tokens), seconds)
+        # Relative error is what is fitted (each row divided by its seconds): prefills span
+        # three orders of magnitude, and a plain fit lets the longest ones set every estimate.
+        features = self._features(new_tokens, prefix_tokens)
+        self._fit.add([f / seconds for f in features], 1.0)
 
     def seconds(self, new_tokens: int, prefix_tokens: int) -> float | None:
         if new_tokens <= 0:

@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
-from tiered_kv.config import PREFETCH_POLICIES, EngineConfig
+from tiered_kv.config import LOAD_POLICIES, PREFETCH_POLICIES, EngineConfig
 from tiered_kv.cost import RecomputeCost, choose_claim
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
@@ -435,10 +435,16 @@ class TieredKVEngine:
 
     @_call
     async def lookup(
-        self, token_ids: TokenIds, *, model_name: str | None = None, salt: KeySalt | None = None
+        self,
+        token_ids: TokenIds,
+        *,
+        model_name: str | None = None,
+        salt: KeySalt | None = None,
+        load_policy: str | None = None,
     ) -> int:
         """Tokens of the longest cached prefix across all tiers (a miss ends the prefix), cut
         (``load_policy="cost"``) to the part whose expected load time beats recomputing it.
+        ``load_policy`` overrides ``config.load_policy`` for this call ("cost" or "always").
 
         With ``config.prefetch`` the chunks of that prefix found only in lower tiers start
         loading into L1 now; the retrieve of the same tokens consumes that prefetch.
@@ -448,7 +454,12 @@ class TieredKVEngine:
         token_ids = _whole_blocks(reg, token_ids)
         keys = self._key_list(reg, token_ids, salt)
         num_tokens = _count(token_ids)
-        where = self._worth_loading(reg, keys, await storage.locate(keys), num_tokens)
+        policy = self.config.load_policy if load_policy is None else load_policy
+        if policy not in LOAD_POLICIES:
+            raise ConfigError(f"load_policy: expected one of {LOAD_POLICIES}, got {policy!r}")
+        where = await storage.locate(keys)
+        if policy == "cost":
+            where = self._worth_loading(reg, keys, where, num_tokens)
         tokens = min(len(where) * self.config.chunk_size, num_tokens)
         self._counters.lookup_calls += 1
         self._counters.lookup_hit_tokens += tokens
@@ -472,10 +483,9 @@ class TieredKVEngine:
         where: list[int | None],
         num_tokens: int,
     ) -> list[int | None]:
-        """``where`` (a located prefix) cut to the claim worth loading under
-        ``load_policy="cost"`` (`choose_claim`), counting what is declined and probing its
-        tiers; unchanged under "always"."""
-        if self.config.load_policy != "cost" or not where:
+        """``where`` (a located prefix) cut to the claim worth loading (`choose_claim`, the
+        ``"cost"`` policy), counting what is declined and probing its tiers."""
+        if not where:
             return where
         storage = self._require_storage()
         claim = choose_claim(
@@ -598,7 +608,7 @@ class TieredKVEngine:
             raise LayoutError(f"prefetch: from_token must be >= 0, got {from_token}")
         first = min(from_token // self.config.chunk_size, len(keys))
         where = await storage.locate(keys[first:])
-        if worth_loading and first == 0:
+        if worth_loading and first == 0 and self.config.load_policy == "cost":
             where = self._worth_loading(reg, keys, where, _count(token_ids))
         self._counters.prefetch_calls += 1
         return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=first)
