@@ -1032,11 +1032,14 @@ class Bench:
                 load = None
                 loaded = 0
                 if hit:
+                    ids, blocks = request.host_ids, request.block_ids
+                    if auto:  # only the claim: the rest is computed
+                        ids, blocks = ids[:hit], blocks[: -(-hit // self.opts.block_size)]
                     if mode in ("layerwise", "auto"):
-                        load = await engine.retrieve_layerwise(request.host_ids, request.block_ids)
+                        load = await engine.retrieve_layerwise(ids, blocks)
                         result = load.result
                     else:
-                        result = await engine.retrieve_detailed(request.host_ids, request.block_ids)
+                        result = await engine.retrieve_detailed(ids, blocks)
                     loaded = result.valid_tokens
                 prefix = min(loaded, n - 1)
                 captured = self.runner.captured_shapes
