@@ -4,13 +4,15 @@ minimises the expected time to first token."""
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.kvfactory import make_caches
 from tiered_kv import EngineConfig, TieredKVEngine
-from tiered_kv.cost import MIN_READS, RecomputeCost, TierCost, choose_claim
+from tiered_kv.cost import MIN_READS, PageCachedTierCost, RecomputeCost, TierCost, choose_claim
 from tiered_kv.errors import ConfigError
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
@@ -140,6 +142,82 @@ def test_the_l1_part_of_a_prefix_is_claimed_before_a_slow_tier() -> None:
         layerwise=False,
     )
     assert claim.chunks == 3 and claim.declined == {0: 3}
+
+
+def test_a_page_cached_tier_expects_the_mix_its_probe_reports() -> None:
+    """Cached reads at 4 ms a chunk, reads from the device at 40 ms: the estimate follows the
+    share the tier's probe reports; unknown, it is the estimate from all reads."""
+    tier = PageCachedTierCost("L2", 4)
+    for _ in range(MIN_READS):
+        tier.observe(32 * MB, 0.004, cached=True)
+        tier.observe(32 * MB, 0.040, cached=False)
+    assert tier.cached.reads == tier.uncached.reads == MIN_READS
+    assert tier.reads == 2 * MIN_READS
+    tier.expect_cached(1.0)
+    assert tier.chunks_seconds(8, 32 * MB) == pytest.approx(2 * 0.004)
+    tier.expect_cached(0.0)
+    assert tier.chunks_seconds(8, 32 * MB) == pytest.approx(2 * 0.040)
+    tier.expect_cached(0.5)
+    assert tier.chunks_seconds(8, 32 * MB) == pytest.approx(0.004 + 0.040)
+    tier.expect_cached(None)
+    mixed = tier.chunks_seconds(8, 32 * MB)
+    assert mixed is not None and 2 * 0.004 < mixed < 2 * 0.040
+    # A kind never read yet has no estimate of its own: the estimate from all reads stands.
+    fresh = PageCachedTierCost("L2", 4)
+    for _ in range(MIN_READS):
+        fresh.observe(32 * MB, 0.004, cached=True)
+    fresh.expect_cached(0.0)
+    assert fresh.chunks_seconds(8, 32 * MB) == pytest.approx(2 * 0.004)
+
+
+def _drop_page_cache(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file() and not path.name.startswith("."):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def test_l2_reads_teach_the_page_cache_estimates_and_lookups_probe_the_files(
+    tmp_path: Path,
+) -> None:
+    """Real files: a read of a file in the page cache teaches the cached estimate, one of a
+    dropped file the device's; a lookup probes the located files first."""
+    engine = TieredKVEngine(
+        EngineConfig(chunk_size=CHUNK, l1_size="8MiB", l2_path=str(tmp_path / "l2")),
+        recompute_seconds=_recompute_seconds,
+    )
+    await engine.open()
+    try:
+        caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16)
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        await engine.store(TOKENS, SRC)
+        await engine.flush()
+        await engine.evict_l1()
+        storage = engine._require_storage()
+        cost = storage.costs[0]
+        assert isinstance(cost, PageCachedTierCost)
+        tier = storage.lower[0]
+        keys = engine.chunk_keys(TOKENS, model_name="m")
+        if tier.cached_share(keys) is None:
+            pytest.skip("this system cannot tell page-cache residency (mincore)")
+        assert tier.cached_share(keys) == 1.0  # just written
+        assert await _request(engine) == len(TOKENS)
+        assert (cost.cached.reads, cost.uncached.reads) == (8, 0)
+        assert cost.cached_share == 1.0
+        _drop_page_cache(tmp_path / "l2")
+        assert tier.cached_share(keys) == 0.0
+        assert await engine.lookup(TOKENS) == len(TOKENS)
+        assert cost.cached_share == 0.0  # the lookup's probe, before its reads
+        result = await engine.retrieve_detailed(TOKENS, DST)
+        assert result.valid_tokens == len(TOKENS)
+        await _settle(engine)
+        assert (cost.cached.reads, cost.uncached.reads) == (8, 8)
+        assert tier.cached_share(keys) == 1.0  # read again: in the page cache
+    finally:
+        await engine.aclose()
 
 
 def test_layerwise_overlap_claims_what_a_whole_load_would_decline() -> None:

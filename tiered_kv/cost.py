@@ -127,8 +127,10 @@ class TierCost:
     def reads(self) -> int:
         return self._fit.count
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """One chunk read: ``nbytes`` in ``seconds`` (on its own, though others ran beside it)."""
+    def observe(self, nbytes: int, seconds: float, cached: bool | None = None) -> None:
+        """One chunk read: ``nbytes`` in ``seconds`` (on its own, though others ran beside it).
+        ``cached``: whether the tier found it in the page cache (`PageCachedTierCost` keeps
+        the two apart; here it is not used)."""
         if nbytes <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         predicted = self.chunk_seconds(nbytes)
@@ -184,6 +186,46 @@ class TierCost:
         if one is None or one <= 0 or size is None:
             return None
         return self.parallelism * size / one
+
+
+class PageCachedTierCost(TierCost):
+    """A tier whose reads run at two speeds, its files in the page cache or read from the
+    device (L2): besides the estimate from all its reads (the `TierCost` itself), one from the
+    cached reads and one from the others. `expect_cached` (the tier's probe of the located
+    chunks, before each claim) says which mix the next load will be; without it, or while
+    either kind has no estimate, the estimate from all reads stands."""
+
+    def __init__(self, name: str, parallelism: int, *, keep: float = 0.9) -> None:
+        super().__init__(name, parallelism, keep=keep)
+        self.cached = TierCost(f"{name} (page cache)", parallelism, keep=keep)
+        self.uncached = TierCost(f"{name} (device)", parallelism, keep=keep)
+        self.cached_share: float | None = None
+
+    def expect_cached(self, share: float | None) -> None:
+        """The share of the chunks about to be claimed that are in the page cache (None:
+        unknown)."""
+        self.cached_share = None if share is None else min(max(share, 0.0), 1.0)
+
+    def observe(self, nbytes: int, seconds: float, cached: bool | None = None) -> None:
+        super().observe(nbytes, seconds)
+        if cached is not None:
+            (self.cached if cached else self.uncached).observe(nbytes, seconds)
+
+    def chunks_seconds(self, count: int, nbytes: int) -> float | None:
+        share = self.cached_share
+        if share is None or count <= 0:
+            return super().chunks_seconds(count, nbytes)
+        warm = round(count * share)
+        parts = ((self.cached, warm), (self.uncached, count - warm))
+        total = 0.0
+        for model, chunks in parts:
+            if not chunks:
+                continue
+            one = model.chunk_seconds(nbytes)
+            if one is None:
+                return super().chunks_seconds(count, nbytes)
+            total += math.ceil(chunks / self.parallelism) * one
+        return total
 
 
 class RecomputeCost:

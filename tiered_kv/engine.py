@@ -488,6 +488,7 @@ class TieredKVEngine:
         if not where:
             return where
         storage = self._require_storage()
+        storage.expect_costs(keys, where)
         claim = choose_claim(
             [-1 if w is None else w for w in where],
             chunk_tokens=self.config.chunk_size,

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from tiered_kv.config import WRITE_POLICIES
-from tiered_kv.cost import Claim, TierCost
+from tiered_kv.cost import Claim, PageCachedTierCost, TierCost
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
@@ -219,7 +219,12 @@ class StorageManager:
         self.l1_hits = 0
         self.reads = [_TierReads() for _ in self.lower]
         # Each lower tier's read cost, learned from the reads below (`tiered_kv.cost`).
-        self.costs = [TierCost(tier.name, tier.read_parallelism) for tier in self.lower]
+        self.costs = [
+            (PageCachedTierCost if tier.page_cached_reads else TierCost)(
+                tier.name, tier.read_parallelism
+            )
+            for tier in self.lower
+        ]
         self.misses = 0
         self.located_l1 = 0
         self.located_misses = 0
@@ -508,8 +513,17 @@ class StorageManager:
         reads.hits += 1
         reads.bytes_read += obj.nbytes
         reads.read_seconds += elapsed
-        self.costs[tier_index].observe(obj.nbytes, elapsed)
+        self.costs[tier_index].observe(obj.nbytes, elapsed, tier.was_page_cached(key))
         return True
+
+    def expect_costs(self, keys: Sequence[ChunkKey], where: Sequence[int | None]) -> None:
+        """Before a claim: each tier whose reads run at two speeds probes how many of the
+        located chunks it holds are in the page cache (`LowerTier.cached_share`), and its cost
+        model expects that mix (`PageCachedTierCost.expect_cached`)."""
+        for index, cost in enumerate(self.costs):
+            if isinstance(cost, PageCachedTierCost):
+                held = [key for key, tier in zip(keys, where, strict=False) if tier == index]
+                cost.expect_cached(self.lower[index].cached_share(held) if held else None)
 
     def note_declined(self, claim: Claim) -> None:
         """Count what a lookup left unclaimed per tier; the time saved goes to the slowest."""

@@ -1179,3 +1179,49 @@ async def test_reads_are_never_queued_behind_writes(root: Path, arena: HostArena
         for obj in (*sources, target):
             obj.unref()
         await tier.aclose()
+
+
+# -- page-cache residency -----------------------------------------------------------------------
+def test_cached_fraction_asks_the_page_cache_and_reads_nothing_in(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        assert l2.files.cached_fraction(fd, 8 << 20) == 1.0  # just written
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert l2.files.cached_fraction(fd, 8 << 20) == 0.0
+        assert l2.files.cached_fraction(fd, 8 << 20) == 0.0  # asking read nothing in
+        os.pread(fd, 4 << 20, 0)
+        share = l2.files.cached_fraction(fd, 8 << 20)
+        assert share is not None and share >= 0.5  # the half read (and its readahead)
+        assert l2.files.cached_fraction(fd, 0) is None
+    finally:
+        os.close(fd)
+
+
+async def test_a_hit_reports_whether_its_file_was_in_the_page_cache(
+    tier: DiskTier, arena: HostArena, root: Path
+) -> None:
+    keys = make_keys(2)
+    sources = [make_obj(arena, seed=i) for i in range(2)]
+    target = poisoned_obj(arena)
+    try:
+        for key, source in zip(keys, sources, strict=True):
+            assert await tier.put(key, source)
+        assert tier.cached_share(keys) == 1.0
+        fd = os.open(path_of(root, keys[0]), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert tier.cached_share(keys) == 0.5
+        assert tier.cached_share([make_keys(1, salt=9)[0]]) is None  # not held
+        assert await tier.get_into(keys[0], target)
+        assert tier.was_page_cached(keys[0]) is False
+        assert tier.was_page_cached(keys[0]) is None  # asked once
+        assert await tier.get_into(keys[1], target)
+        assert tier.was_page_cached(keys[1]) is True
+    finally:
+        for obj in (*sources, target):
+            obj.unref()

@@ -143,6 +143,20 @@ class LowerTier(abc.ABC):
         On False the object's bytes are unspecified; the caller must not use them.
         """
 
+    # A tier whose reads run at two speeds, its files in the OS page cache or not (L2): its
+    # cost model keeps one estimate of each (`tiered_kv.cost.PageCachedTierCost`).
+    page_cached_reads: bool = False
+
+    def cached_share(self, keys: Sequence[ChunkKey]) -> float | None:
+        """The share of ``keys`` (held by the tier) whose bytes are in the page cache now, from
+        a cheap probe of a few of them; None when the tier cannot tell. Default: None."""
+        return None
+
+    def was_page_cached(self, key: ChunkKey) -> bool | None:
+        """Whether the last successful `get_into` of ``key`` found its bytes in the page cache
+        (asked once, right after that read; None when unknown). Default: None."""
+        return None
+
     async def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Mark ``keys`` as recently used (they hit in a tier above), so that eviction keeps them.
 

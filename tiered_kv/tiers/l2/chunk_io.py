@@ -40,6 +40,7 @@ from tiered_kv.tiers.l2.files import (
     NO_SPACE_ERRNOS,
     DirectorySyncer,
     FileOps,
+    cached_fraction,
     read_header,
     readinto_exact,
     unlink_quietly,
@@ -161,9 +162,12 @@ class ChunkRead:
     """One chunk file read into ``buffers`` (the groups' payloads, in order) as parts that run
     on any read threads at once (`parts`), then judged on the loop (`outcome`).
 
-    Part 0 opens the file and checks its header against what the caller expects (the key, the
-    layout, the file's length) and stamps its recency; each other part reads a run of whole
-    stripes at the offsets the expected header implies and hashes each stripe as it lands. A
+    Part 0 opens the file, checks its header
+    against what the caller expects (the key, the layout, the file's length) and stamps its
+    recency; each other part reads a run of whole
+    stripes at the offsets the expected header implies and hashes each stripe as it lands. The
+    first of them notes whether its stripes were in the page cache before it read them
+    (`cached`: no other part reads them, so this is the file's state before the read). A
     file that is not the expected one fails part 0's checks, so the bytes the stripe parts put
     in the buffers are never trusted.
     """
@@ -195,6 +199,7 @@ class ChunkRead:
         # Part 0's verdict and the header it checked; a failed check stops the stripe parts.
         self.checked: tuple[ReadOutcome, str] = (ReadOutcome.CORRUPT, "header not read")
         self.header: ChunkHeader | None = None
+        self.cached: bool | None = None
         self._stop = threading.Event()
 
     def parts(self) -> list[Callable[[], None]]:
@@ -224,6 +229,11 @@ class ChunkRead:
             return
         with file:
             size = os.fstat(file.fileno()).st_size
+            if hasattr(os, "posix_fadvise"):
+                # No readahead past the header: the payload is the stripe parts' to read (and
+                # to find in the page cache or not, for `cached`).
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             try:
                 header = read_header(file, self.limits)
             except CodecError as exc:
@@ -260,6 +270,10 @@ class ChunkRead:
             return  # part 0 finds it missing too, or the stripe stays unread: never a hit
         with file:
             start = stripes.start * STRIPE_BYTES
+            if not start:
+                length = min(len(stripes) * STRIPE_BYTES, self.payload_len)
+                share = cached_fraction(file.fileno(), length, self.header_len)
+                self.cached = None if share is None else share >= 0.5
             file.seek(self.header_len + start)
             for index in stripes:
                 if self._stop.is_set():

@@ -8,14 +8,17 @@ Must not know about the index, the lock or the tier's policies.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import io
 import logging
+import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 from tiered_kv.codec import (
     MIN_HEADER_LEN,
@@ -208,6 +211,44 @@ def read_header(file: io.FileIO, limits: CodecLimits) -> ChunkHeader:
     if header_len > len(head):
         head += read_exact(file, header_len - len(head))
     return decode_header(head, limits)
+
+
+def _libc_mincore() -> Callable[..., int] | None:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    function.restype = ctypes.c_int
+    return cast("Callable[..., int]", function)
+
+
+_MINCORE = _libc_mincore()
+
+
+def cached_fraction(fd: int, size: int, offset: int = 0) -> float | None:
+    """The share of bytes ``[offset, offset + size)`` of ``fd`` in the page cache (``mincore``
+    on a private mapping: it asks, and reads nothing in; ``offset`` a multiple of
+    `mmap.ALLOCATIONGRANULARITY`). None where the system cannot tell."""
+    if _MINCORE is None or size <= 0 or offset % mmap.ALLOCATIONGRANULARITY:
+        return None
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    try:
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, offset=offset)
+    except (OSError, ValueError):
+        return None
+    try:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        try:
+            failed = _MINCORE(ctypes.addressof(anchor), size, vector)
+        finally:
+            del anchor  # the mapping cannot close while exported
+    finally:
+        mapping.close()
+    if failed:
+        return None
+    return 1.0 - bytes(vector).count(0) / pages
 
 
 def unlink_quietly(path: Path) -> None:

@@ -71,6 +71,7 @@ from tiered_kv.tiers.l2.files import (
     TEMP_SUFFIX,
     DirectorySyncer,
     FileOps,
+    cached_fraction,
     set_mtimes,
     unlink_paths,
     vanished,
@@ -82,6 +83,9 @@ logger = logging.getLogger(__name__)
 
 # Retries of one put after no-space errors; each follows deletions, so each meets more room.
 _NO_SPACE_RETRIES = 2
+CACHE_PROBES = 8
+"""Files `DiskTier.cached_share` probes at most, per call."""
+_READ_CACHED_KEPT = 4096  # page-cache verdicts kept for `was_page_cached` (asked right away)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,6 +177,8 @@ class DiskTier(LowerTier):
         # Keys with a put or an unlink in flight; never in the index at an await point.
         self._busy: dict[ChunkKey, asyncio.Event] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        # Whether each recent hit's file was in the page cache, until `was_page_cached` asks.
+        self._read_cached: collections.OrderedDict[ChunkKey, bool] = collections.OrderedDict()
         self._write_seconds = 0.0
         self._read_seconds = 0.0
 
@@ -242,6 +248,32 @@ class DiskTier(LowerTier):
     # -- index ------------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
         return key in self._index
+
+    page_cached_reads = True
+
+    def cached_share(self, keys: Sequence[ChunkKey]) -> float | None:
+        """The share of the bytes of ``keys``' files in the page cache, from at most
+        `CACHE_PROBES` files, evenly spread (`cached_fraction`: ``mincore``, which reads
+        nothing in). Runs on the loop: a few system calls each, no device I/O."""
+        held = [self._index[key] for key in keys if key in self._index]
+        if not held:
+            return None
+        step = max(1, len(held) // CACHE_PROBES)
+        answers = []
+        for entry in held[::step][:CACHE_PROBES]:
+            try:
+                fd = os.open(entry.path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                answers.append(cached_fraction(fd, entry.size))
+            finally:
+                os.close(fd)
+        known = [answer for answer in answers if answer is not None]
+        return sum(known) / len(known) if known else None
+
+    def was_page_cached(self, key: ChunkKey) -> bool | None:
+        return self._read_cached.pop(key, None)
 
     def entries(self) -> list[tuple[ChunkKey, int, int]]:
         """(key, num_tokens, file size) of every chunk, least recently used first."""
@@ -520,6 +552,10 @@ class DiskTier(LowerTier):
             self._read_seconds += time.perf_counter() - started
 
         if outcome is ReadOutcome.HIT:
+            if read.cached is not None:
+                self._read_cached[key] = read.cached
+                if len(self._read_cached) > _READ_CACHED_KEPT:
+                    self._read_cached.popitem(last=False)
             if self._index.get(key) is entry:
                 self._index.move_to_end(key)
             self._counters["hits"] += 1
