@@ -226,29 +226,37 @@ def _libc_mincore() -> Callable[..., int] | None:
 _MINCORE = _libc_mincore()
 
 
-def cached_fraction(fd: int, size: int, offset: int = 0) -> float | None:
-    """The share of bytes ``[offset, offset + size)`` of ``fd`` in the page cache (``mincore``
-    on a private mapping: it asks, and reads nothing in; ``offset`` a multiple of
-    `mmap.ALLOCATIONGRANULARITY`). None where the system cannot tell."""
+def cached_fraction(fd: int, size: int, offset: int = 0, samples: int = 4) -> float | None:
+    """The share of ``samples`` pages, evenly spread over bytes ``[offset, offset + size)`` of
+    ``fd`` (the first and the last included), that are in the page cache: ``mincore`` on a
+    private mapping, which asks and reads nothing in (``offset`` a multiple of
+    `mmap.ALLOCATIONGRANULARITY`). Files are cached or not as a whole far more often than in
+    part, so a few pages tell (every page of a 32 MiB file cost 0.8 ms to ask). None where the
+    system cannot tell."""
     if _MINCORE is None or size <= 0 or offset % mmap.ALLOCATIONGRANULARITY:
         return None
-    pages = -(-size // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
+    page = mmap.PAGESIZE
+    last = (size - 1) // page
+    picks = sorted({round(index * last / max(samples - 1, 1)) for index in range(samples)})
+    vector = ctypes.c_ubyte()
     try:
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, offset=offset)
     except (OSError, ValueError):
         return None
+    cached = 0
     try:
         anchor = ctypes.c_char.from_buffer(mapping)
         try:
-            failed = _MINCORE(ctypes.addressof(anchor), size, vector)
+            base = ctypes.addressof(anchor)
+            for pick in picks:
+                if _MINCORE(base + pick * page, page, ctypes.byref(vector)):
+                    return None
+                cached += vector.value & 1
         finally:
             del anchor  # the mapping cannot close while exported
     finally:
         mapping.close()
-    if failed:
-        return None
-    return 1.0 - bytes(vector).count(0) / pages
+    return cached / len(picks)
 
 
 def unlink_quietly(path: Path) -> None:

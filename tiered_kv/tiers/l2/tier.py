@@ -83,7 +83,7 @@ logger = logging.getLogger(__name__)
 
 # Retries of one put after no-space errors; each follows deletions, so each meets more room.
 _NO_SPACE_RETRIES = 2
-CACHE_PROBES = 8
+CACHE_PROBES = 4
 """Files `DiskTier.cached_share` probes at most, per call."""
 _READ_CACHED_KEPT = 4096  # page-cache verdicts kept for `was_page_cached` (asked right away)
 
