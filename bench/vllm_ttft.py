@@ -11,11 +11,18 @@ own process:
 2. no connector, vLLM's own prefix-cache hit of the same prompt: only the last block computed,
    nothing loaded (the lower bound for any external hit);
 3. connector, cold (stores to L1, L2 and L3 as it goes);
-4. connector, L1 hit: the same prompts again in that process (vLLM's prefix cache off, so
-   tiered_kv supplies the KV);
+4. connector, L1 hit: the same prompts again in that process, each right after vLLM's prefix
+   cache was emptied (``reset_prefix_cache``), so tiered_kv supplies the KV; each is followed by
+   the same prompt once more, a vLLM prefix-cache hit in the same process (case 4b), so the
+   two are compared pair by pair, minutes of machine noise apart at most a second;
 5. connector, L2 hit: a fresh process on the same L2 directory (files dropped from the page
    cache first with posix_fadvise DONTNEED);
-6. connector, L3 hit: a fresh process without L2 whose L3 is `tiered-kv serve` on loopback.
+6. connector, L3 hit: a fresh process without L2 whose L3 is `tiered-kv serve` on loopback;
+7. connector, L3 slowed (``--read-delay``, ``--slow-read-ms`` per read): a fresh process that
+   first serves four cold prompts (the prefill times the connector learns) and one
+   cached prompt of the same length (its slow reads, loaded: the L3 estimate), then the
+   prompts: ``load_policy="cost"`` declines them (0 cached tokens), so TTFT stays at the
+   recompute time.
 
 For each hit the floor is the own-prefix-cache time plus the time to move the prompt's KV bytes
 at this machine's rate, measured in the same run: torch ``copy_`` of the same size (L1, L3 on
@@ -89,30 +96,39 @@ def _read_seconds(directory: pathlib.Path) -> tuple[int, float]:
 
 
 def _one_round(
-    workdir: pathlib.Path, common: dict[str, Any], prompts: list[list[int]], round_index: int
+    workdir: pathlib.Path,
+    common: dict[str, Any],
+    prompts: list[list[int]],
+    round_index: int,
+    slow_read_s: float,
 ) -> dict[str, list[float]]:
     """One run of every case on its own prompts; the seconds per prompt, per case."""
     claimed = (len(prompts[0]) - 1) // BLOCK * BLOCK
     warmup = [_prompt(1000 + round_index, 256)]
-    twice = [warmup, *([p] for p in prompts), *([p] for p in prompts)]
+    # Each process's first hit of a kind is a warm-up (first use of its code paths), unmeasured.
+    twice = [warmup, *([p] for p in prompts), warmup, *([p] for p in prompts)]
     once = [warmup, *([p] for p in prompts)]
+    # cold; the warm-up's L1 hit; then per prompt: vLLM's prefix cache emptied, an L1 hit, a
+    # vLLM prefix-cache hit
+    paired = [warmup, *([p] for p in prompts), warmup, *([p] for p in prompts for _ in range(2))]
+    n = len(prompts)
     l2 = workdir / f"l2-{round_index}"
     connector = {"chunk_size": 256, "l1_size": "512MiB", "model_name": "bench-llama"}
     l2_config = {"l2_path": str(l2), "l2_size": "8GiB"}
     off = {"enable_prefix_caching": False}  # hits can only come from tiered_kv
     tag = f"-{round_index}"
-    n = len(prompts)
     times: dict[str, list[float]] = {}
 
-    def record(name: str, out: dict[str, Any], first: int, cached: int) -> None:
-        got = [b[0]["num_cached_tokens"] for b in out["batches"][first : first + n]]
+    def record(name: str, out: dict[str, Any], first: int, cached: int, step: int = 1) -> None:
+        batches = range(first, first + step * n, step)
+        got = [out["batches"][i][0]["num_cached_tokens"] for i in batches]
         if got != [cached] * n:
             raise SystemExit(f"{name}: expected {cached} cached tokens per prompt, got {got}")
-        times[name] = out["batch_seconds"][first : first + n]
+        times[name] = [out["batch_seconds"][i] for i in batches]
 
     plain = _run(workdir, "plain" + tag, {**common, "connector": None, "batches": twice})
     record("cold", plain, 1, 0)
-    record("own_hit", plain, 1 + n, claimed)
+    record("own_hit", plain, 2 + n, claimed)
     from tests.vllm.l3_server import l3_server
 
     with l3_server(workdir / f"l3{tag}.log", "4GiB") as (l3_url, _):
@@ -121,13 +137,14 @@ def _one_round(
             "stored" + tag,
             {
                 **common,
-                **off,
                 "connector": {**connector, **l2_config, "l3_url": l3_url},
-                "batches": twice,
+                "batches": paired,
+                "reset_prefix_cache_before": [1 + n, *range(2 + n, 2 + 3 * n, 2)],
             },
         )
         record("store", stored, 1, 0)
-        record("l1", stored, 1 + n, claimed)
+        record("l1", stored, 2 + n, claimed, step=2)
+        record("l1_own", stored, 3 + n, claimed, step=2)
         nbytes, seconds = _read_seconds(l2)
         times["disk_read_bytes_per_s"] = [nbytes / seconds]
         from_l2 = _run(
@@ -142,6 +159,36 @@ def _one_round(
             {**common, **off, "connector": {**connector, "l3_url": l3_url}, "batches": once},
         )
         record("l3", from_l3, 1, claimed)
+    slow_log = workdir / f"l3-slow{tag}.log"
+    slow_connector = {**connector, "l3_timeout_s": 10 * slow_read_s + 5}  # slow, not failing
+    with l3_server(slow_log, "4GiB", read_delay_s=slow_read_s) as (slow_url, _):
+        # Seeds 1000 apart give the same prompt (`_prompt` is periodic in the seed mod 500).
+        # A load like the prompts' own (as many reads in flight) gives the L3 estimate.
+        known = [_prompt(400 + round_index, len(prompts[0]))]
+        _run(
+            workdir,
+            "slow_store" + tag,
+            {**common, "connector": {**slow_connector, "l3_url": slow_url},
+             "role": "kv_producer", "batches": [known, *([p] for p in prompts)]},
+        )  # fmt: skip
+        # Cold prompts for the prefill times, two of the prompts' length: a shape's first
+        # prefill on this CPU backend is up to 2x slower than the next.
+        size = len(prompts[0])
+        learn = [[_prompt(300 + round_index * 10 + i, length)] for i, length in
+                 enumerate((size // 4, size // 2, size, size))]  # fmt: skip
+        slow = _run(
+            workdir,
+            "from_slow_l3" + tag,
+            {**common, **off, "connector": {**slow_connector, "l3_url": slow_url},
+             "role": "kv_consumer", "batches": [warmup, *learn, known, *([p] for p in prompts)]},
+        )  # fmt: skip
+        first = 2 + len(learn)
+        if slow["batches"][first - 1][0]["num_cached_tokens"] == 0:
+            raise SystemExit("slow L3: the known prompt was not loaded (no L3 estimate)")
+        record("l3_slow", slow, first, 0)
+        times["l3_slow_declined_chunks"] = [
+            slow["connector_stats"].get("declined_chunks_l3", 0) / n
+        ]
     return times
 
 
@@ -152,6 +199,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every case")
     parser.add_argument("--png", default="docs/bench/vllm_ttft.png")
     parser.add_argument("--json", default=None, help="write the figures here too")
+    parser.add_argument(
+        "--slow-read-ms", type=float, default=5000.0, help="per-read delay of the slowed L3"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))  # the tests' model builder, shared with tests/vllm
     from tests.vllm.tiny_llama import build_tiny_llama
@@ -178,12 +228,17 @@ def main() -> None:
     for round_index in range(args.rounds):
         seeds = range(1 + round_index * args.prompts, 1 + (round_index + 1) * args.prompts)
         prompts = [_prompt(seed, args.tokens) for seed in seeds]
-        for name, values in _one_round(workdir, common, prompts, round_index).items():
+        for name, values in _one_round(
+            workdir, common, prompts, round_index, args.slow_read_ms / 1e3
+        ).items():
             times.setdefault(name, []).extend(values)
     claimed = (args.tokens - 1) // BLOCK * BLOCK
     kv_bytes = claimed * KV_BYTES_PER_TOKEN
     copy_s = kv_bytes / (ceilings.copy_gbps(nbytes=kv_bytes) * 1e9)
     disk_rate = statistics.median(times.pop("disk_read_bytes_per_s"))
+    declined = statistics.mean(times.pop("l3_slow_declined_chunks"))
+    # The L1 hit against vLLM's own hit in the same process, prompt by prompt (noise cancels).
+    pairs = sorted(a / b for a, b in zip(times["l1"], times["l1_own"], strict=True))
     med = {name: statistics.median(values) for name, values in times.items()}
     best = {name: min(values) for name, values in times.items()}
     # Best times: on a shared machine the other processes only ever add time.
@@ -199,6 +254,8 @@ def main() -> None:
         "l1": "connector, L1 hit",
         "l2": "connector, L2 hit (fresh process)",
         "l3": "connector, L3 hit (tiered-kv serve)",
+        "l1_own": "connector, vLLM prefix-cache hit (4b)",
+        "l3_slow": f"connector, L3 slowed {args.slow_read_ms:.0f} ms/read",
     }
     count = len(times["cold"])
     print(
@@ -224,6 +281,13 @@ def main() -> None:
             f"{label:38s} {med[name] * 1e3:10.1f} {best[name] * 1e3:8.1f} "
             f"{best['cold'] / best[name]:7.2f}x {tail:>21s}"
         )
+    print(
+        f"L1 hit / vLLM prefix-cache hit in the same process, per prompt: best "
+        f"{pairs[0]:.2f}x, median {statistics.median(pairs):.2f}x; best L1 / best 4b "
+        f"{best['l1'] / best['l1_own']:.2f}x; best L1 / best no-connector hit "
+        f"{best['l1'] / best['own_hit']:.2f}x. Slowed L3: {declined:.1f} chunks declined per "
+        f"prompt, TTFT {best['l3_slow'] / best['cold']:.2f}x the cold run (best times)."
+    )
     if args.json:
         figures = {"seconds": times, "copy_seconds": copy_s, "disk_bytes_per_s": disk_rate}
         pathlib.Path(args.json).write_text(json.dumps(figures, indent=1))

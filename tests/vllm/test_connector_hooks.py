@@ -468,3 +468,49 @@ def test_observe_prefill_refuses_nonsense() -> None:
         assert host.stats()["host"]["prefills_observed"] == 1
     finally:
         host.close()
+
+
+def test_a_lookup_waits_for_its_reply_within_the_steps_budget(
+    make_config: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler lends each step a few milliseconds for the workers' replies: an answer
+    from host memory comes back in the call that asked (no step is lost to "ask again"); a
+    worker that does not reply costs the step its budget once, and the step's other lookups
+    do not wait at all."""
+    import socket
+
+    import tiered_kv.integrations.vllm as connector_module
+
+    monkeypatch.setattr(connector_module, "LOOKUP_WAIT_PER_STEP_S", 30.0)  # as long as it takes
+    config = make_config()
+    scheduler = _connector(config, "scheduler")
+    tokens = _tokens(12, 100)
+    try:
+        with _rank_host(config, 0) as (host, _):
+            assert host.store(tokens[:96], [0, 1, 2]) == 96
+            matched, _ = scheduler.get_num_new_matched_tokens(_request("w", tokens), 0)
+            assert matched == 96  # the first call: answered within its wait
+        assert scheduler.get_kv_connector_stats().data["scheduler_lookups_pending"] == 0
+    finally:
+        scheduler.shutdown()
+
+    monkeypatch.setattr(connector_module, "LOOKUP_WAIT_PER_STEP_S", 0.05)
+    config = make_config()
+    scheduler = _connector(config, "scheduler")
+    transfer = config.kv_transfer_config
+    path = socket_path(transfer.kv_connector_extra_config["lookup_socket_dir"],
+                       transfer.engine_id, 0)  # fmt: skip
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, never replies
+    silent.bind(path)
+    silent.listen()
+    try:
+        first = scheduler.get_num_new_matched_tokens(_request("a", tokens), 0)
+        assert first == (None, False) and scheduler._lookup_wait_left == 0
+        assert scheduler.get_num_new_matched_tokens(_request("b", tokens), 0) == (None, False)
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        scheduler.build_connector_meta(SchedulerOutput.make_empty())  # next step: new budget
+        assert scheduler._lookup_wait_left == 0.05
+    finally:
+        scheduler.shutdown()
+        silent.close()

@@ -5,7 +5,8 @@ SPEC: {"model": dir, "connector": extra config dict or null, "role": "kv_both",
 lists], ...], "load_failure_policy": "recompute", "enable_prefix_caching": true,
 "max_num_batched_tokens": n, "kv_cache_memory_bytes": n, "max_model_len": n, "max_num_seqs": n,
 "kill_before_batch": {"index": pid}, "lora_modules": {name: [int id, path]}, "max_lora_rank": n,
-"kv_events_endpoint": "ipc://..." (vLLM publishes its KV events there over ZMQ, topic "kv")}.
+"kv_events_endpoint": "ipc://..." (vLLM publishes its KV events there over ZMQ, topic "kv"),
+"reset_prefix_cache_before": [batch indexes] (vLLM's own prefix cache is emptied first)}.
 A prompt is a list of token ids or {"tokens": [...], "cache_salt": str, "lora": name,
 "image_seed": n} (a random 32x32 image made from the seed; the spec then needs "images": true).
 Each batch
@@ -84,11 +85,14 @@ def main(spec_path: str, out_path: str) -> None:
     observed = _observe_stats(llm)
     max_tokens = spec.get("max_tokens", 8)
     kills = {int(index): int(pid) for index, pid in spec.get("kill_before_batch", {}).items()}
+    resets = set(spec.get("reset_prefix_cache_before", ()))
     batches = []
     batch_seconds = []
     for index, batch in enumerate(spec["batches"]):
         if index in kills:
             os.kill(kills[index], signal.SIGKILL)
+        if index in resets and not llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM did not reset its prefix cache before batch {index}")
         tokens = max_tokens[index] if isinstance(max_tokens, list) else max_tokens
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         batch_started = time.perf_counter()

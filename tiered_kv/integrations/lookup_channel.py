@@ -3,9 +3,10 @@
 Owns the wire format (one Unix stream socket per worker rank; frames are a 4-byte big-endian
 length and a UTF-8 JSON object), `LookupServer` (served on the engine's event loop, answering
 with a coroutine the worker side supplies) and `LookupClient` (used by the scheduler from its
-own thread, never waiting: a question is sent and its answer picked up by a later call). Must
-not import a serving stack, touch KV bytes, or let a slow or missing worker block the scheduler:
-an answer that has not arrived yet is "ask again" (None), an unreachable worker is a miss (0).
+own thread: a question is sent and its answer picked up by a later call, or by the same call
+when the caller lends it a few milliseconds, ``wait_s``). Must not import a serving stack,
+touch KV bytes, or let a slow or missing worker block the scheduler beyond that loan: an answer
+that has not arrived yet is "ask again" (None), an unreachable worker is a miss (0).
 
 Messages: request ``{"id": n, "req": request_id, "tokens": [ints]}`` plus ``"salt": [[offset,
 hex], ...]`` for a salted request (`KeySalt.to_wire`) and ``"limit": n``, the most tokens the
@@ -21,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import tempfile
@@ -265,9 +267,10 @@ class _Peer:
 class LookupClient:
     """Asks every rank's `LookupServer`; the answer is the minimum over ranks.
 
-    Scheduler thread only. `lookup` never waits: the first call for a request sends the
-    question and answers None ("ask again"); a later call returns the answer once every rank's
-    has arrived. An unreachable or broken worker is a miss (0), retried after a second.
+    Scheduler thread only. The first call for a request sends the question; without an
+    answer from every rank by then (or within ``wait_s``) it answers None ("ask again"), and a
+    later call returns the answer once every rank's has arrived. An unreachable or broken
+    worker is a miss (0), retried after a second.
     """
 
     def __init__(self, paths: Sequence[str]) -> None:
@@ -281,9 +284,13 @@ class LookupClient:
         token_ids: Sequence[int],
         salt: KeySalt | None = None,
         limit: int | None = None,
+        wait_s: float = 0.0,
     ) -> int | None:
         """Cached tokens of ``token_ids`` (under ``salt``, at most ``limit``) ready on every
-        rank; None: ask again; 0 on failure."""
+        rank; None: ask again; 0 on failure. ``wait_s``: how long this call may wait for the
+        ranks' replies (in ``select``, so a worker in this process gets the GIL to answer);
+        a rank answers at once, "ask again" while its disk or remote loads are in flight, so
+        the wait is the channel's round trip, never a load."""
         for peer in self._peers:
             if request_id in peer.answers or request_id in peer.asking:
                 continue
@@ -296,12 +303,30 @@ class LookupClient:
             peer.read_available()
             if peer.sock is None and request_id not in peer.answers:
                 return self._unreachable(request_id)
+        if wait_s > 0:
+            self._wait(request_id, time.monotonic() + wait_s)
         if not all(request_id in peer.answers for peer in self._peers):
             return None
         answers = [peer.answers.pop(request_id) for peer in self._peers]
         if any(answer is None for answer in answers):
             return None  # a rank's loads are in flight: the next call asks again
         return min(answer for answer in answers if answer is not None)
+
+    def _wait(self, request_id: str, deadline: float) -> None:
+        """Read replies until every rank has answered ``request_id`` or ``deadline`` passes."""
+        while True:
+            waiting = [
+                peer
+                for peer in self._peers
+                if request_id not in peer.answers and peer.sock is not None
+            ]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            readable, _, _ = select.select([peer.sock for peer in waiting], [], [], left)
+            for peer in waiting:
+                if peer.sock in readable:
+                    peer.read_available()
 
     def _unreachable(self, request_id: str) -> int:
         self.unreachable += 1

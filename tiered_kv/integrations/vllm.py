@@ -25,8 +25,9 @@ config and weight files unless given, `default_fingerprint`) and each request's 
 keep one registration per KV cache group; a sliding-window group stores and loads only its
 window, and their loads are asynchronous so that a short one is recomputed.
 
-Must not: block the scheduler on disk, network or the workers (a lookup answers "ask again"
-until the workers' answer has arrived and their loads are done), claim a partial block, load
+Must not: block the scheduler on disk, network or the workers (a lookup waits for the workers'
+replies at most `LOOKUP_WAIT_PER_STEP_S` per step, and answers "ask again" until they have
+arrived and their loads are done), claim a partial block, load
 into blocks vLLM's own prefix cache owns, or let a tiered_kv failure fail a request (it is a
 miss, or failed blocks vLLM recomputes). vLLM is imported here only; importing tiered_kv never
 imports this module.
@@ -251,6 +252,10 @@ SCHEDULER_STATS = (
     "claimed_tokens",
     "kv_events_dropped",
 )
+# How long one scheduler step may wait, over all its lookups, for the workers' replies (their
+# round trip, not their loads: a worker answers "ask again" while it loads). Without it a
+# request whose KV is in host memory sits out one step for its answer (docs/vllm.md).
+LOOKUP_WAIT_PER_STEP_S = 0.002
 # Router events the scheduler holds between a step's output and vLLM's next `take_events`
 # (called every step, so only a publisher that stopped draining reaches it): the oldest beyond
 # are dropped and counted in ``kv_events_dropped``.
@@ -354,6 +359,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._release: list[str] = []
+        self._lookup_wait_left = LOOKUP_WAIT_PER_STEP_S  # this step's time for lookup replies
         self._client: LookupClient | None = None
         self._adapter_digests: dict[tuple[str, str], str | None] = {}  # LoRA (name, path)
         # worker side
@@ -839,9 +845,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Ask about every whole block of the request, not only up to the limit: a block-aligned
         # prompt's last chunk was stored whole, and a key over fewer tokens would not match it.
         looked_up = request.num_tokens // block * block
+        started = time.monotonic()
         ready = self._client.lookup(
-            request.request_id, request.all_token_ids[:looked_up], state.salt, limit
+            request.request_id,
+            request.all_token_ids[:looked_up],
+            state.salt,
+            limit,
+            wait_s=self._lookup_wait_left,
         )
+        self._lookup_wait_left = max(0.0, self._lookup_wait_left - (time.monotonic() - started))
         stats = self._scheduler_stats
         if ready is None:
             stats["scheduler_lookups_pending"] += 1
@@ -872,6 +884,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._release.append(request.request_id)  # its lookup's prefetch is not needed
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._lookup_wait_left = LOOKUP_WAIT_PER_STEP_S  # for the next step's lookups
         meta = TieredKVMetadata(release=self._release)
         self._release = []
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
