@@ -315,18 +315,17 @@ class LookupClient:
     def _wait(self, request_id: str, deadline: float) -> None:
         """Read replies until every rank has answered ``request_id`` or ``deadline`` passes."""
         while True:
-            waiting = [
-                peer
+            waiting = {
+                peer.sock: peer
                 for peer in self._peers
                 if request_id not in peer.answers and peer.sock is not None
-            ]
+            }
             left = deadline - time.monotonic()
             if not waiting or left <= 0:
                 return
-            readable, _, _ = select.select([peer.sock for peer in waiting], [], [], left)
-            for peer in waiting:
-                if peer.sock in readable:
-                    peer.read_available()
+            readable, _, _ = select.select(list(waiting), [], [], left)
+            for sock in readable:
+                waiting[sock].read_available()
 
     def _unreachable(self, request_id: str) -> int:
         self.unreachable += 1
