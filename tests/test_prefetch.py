@@ -434,3 +434,26 @@ async def test_a_prefix_that_leaves_l1_while_retrieved_is_loaded_from_below(
         assert caches.bytes_equal(expected)
         await _settle(engine)
     assert engine.leaked_on_close == 0
+
+
+async def test_a_retrieve_of_the_claimed_tokens_consumes_the_lookups_prefetch(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    """A serving engine retrieves what lookup claimed, not the whole prompt: the prefetch the
+    lookup started is found under the claim's last chunk (it used to be keyed by the prompt's
+    last chunk only, so a retrieve of the claim started its own loads and left the lookup's
+    prefetch pending, its chunks pinned in L1)."""
+    engine, _ = setup
+    prompt = [*TOKENS[:96], *range(90_000, 90_016)]  # three cached chunks, then 16 new tokens
+    assert await engine.lookup(prompt) == 96
+    assert engine.stats()["prefetch"]["live_handles"] == 1
+    assert await engine.retrieve(prompt[:96], DST) == 96
+    stats = engine.stats()
+    assert stats["prefetch"]["live_handles"] == 0
+    assert stats["prefetch"]["loads_started"] == 3  # the lookup's loads only
+    await _settle(engine)
+    # The whole prompt's retrieve finds it too.
+    assert await engine.lookup(prompt) == 96
+    assert await engine.retrieve(prompt, DST) == 96
+    assert engine.stats()["prefetch"]["live_handles"] == 0
+    await _settle(engine)

@@ -467,7 +467,11 @@ class TieredKVEngine:
             if location == -1:
                 storage.l1.touch(key)  # about to be used: evict it last
         if keys:
-            implicit_key = (reg.model_name, keys[-1])
+            # Keyed by the claim's last chunk: a retrieve of the claimed tokens finds it, and so
+            # does one of the whole prompt (`_take_implicit` tries each of its keys). A lookup
+            # of the same prompt that claimed another length leaves its prefetch to the
+            # `prefetch_max_pending` bound.
+            implicit_key = (reg.model_name, keys[max(len(where), 1) - 1])
             if self.config.prefetch and any(location != -1 for location in where):
                 self._start_implicit(implicit_key, reg, keys, where, num_tokens)
             else:
@@ -540,6 +544,17 @@ class TieredKVEngine:
             await handle.wait()
         finally:
             handle.cancel()
+
+    def _take_implicit(self, model_name: str, keys: Sequence[ChunkKey]) -> PrefetchHandle | None:
+        """The prefetch a lookup started for a prefix of these keys (its claim ends at one of
+        them: chunk keys chain, so the same key is the same prefix), taken out of the map."""
+        if not self._implicit:
+            return None
+        for key in reversed(keys):
+            handle = self._implicit.pop((model_name, key), None)
+            if handle is not None:
+                return handle
+        return None
 
     def _start_implicit(
         self,
@@ -734,7 +749,7 @@ class TieredKVEngine:
         keys = self._key_list(reg, token_ids, salt)
         first = skip_prefix_tokens // chunk_size
         # The prefetch this request's lookup started ends with this retrieve, whatever it copies.
-        handle = self._implicit.pop((reg.model_name, keys[-1]), None) if keys else None
+        handle = self._take_implicit(reg.model_name, keys)
         if first >= len(keys):
             if handle is not None:
                 handle.release_unused()
