@@ -457,3 +457,20 @@ async def test_a_retrieve_of_the_claimed_tokens_consumes_the_lookups_prefetch(
     assert await engine.retrieve(prompt, DST) == 96
     assert engine.stats()["prefetch"]["live_handles"] == 0
     await _settle(engine)
+
+
+async def test_a_repeated_lookup_does_not_reuse_a_prefetch_whose_loads_failed(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    """The tier failed every read of the first lookup's prefetch: the next lookup of the same
+    prompt starts loads again instead of handing the retrieve the failed ones."""
+    engine, tier = setup
+    tier.get_failure_rate = 1.0
+    assert await engine.lookup(TOKENS) == 100
+    await _settle_after_cancel(engine)
+    started = engine.stats()["prefetch"]["loads_started"]
+    tier.get_failure_rate = 0.0
+    assert await engine.lookup(TOKENS) == 100
+    assert engine.stats()["prefetch"]["loads_started"] == started + 4
+    assert await engine.retrieve(TOKENS, DST) == 100
+    await _settle(engine)

@@ -2,17 +2,18 @@
 tier's own reads, a recompute model, and the claim that minimises the expected time to first
 token (`choose_claim`).
 
-`TierCost` learns one lower tier's time per chunk read, ``latency + bytes / throughput``, by
-least squares over its recent reads (exponential forgetting, so it follows a tier that slows
-down or recovers; each read's time clipped to a few times the current prediction, so one
-stall does not swing it). A load of k chunks takes ``ceil(k / parallelism)`` rounds of one
-chunk's time, since the tier reads that many at once. Until a tier has read a few chunks it
-has no estimate, unless seeded (`seed`).
+`TierCost` learns one lower tier's time per chunk read, ``latency + bytes x in_flight /
+throughput`` (the reads in flight share the tier's bandwidth: a disk or a link is busy with
+all of them), by least squares over its recent reads (exponential forgetting, so it follows a
+tier that slows down or recovers; each read's time clipped to a few times the current
+prediction, so one stall does not swing it). A load of k chunks takes ``ceil(k /
+parallelism)`` rounds of ``min(k, parallelism)`` reads in flight. Until a tier has read a few
+chunks it has no estimate, unless seeded (`seed`).
 
 `RecomputeCost` learns the prefill time of ``new`` tokens over a resident prefix of ``prefix``
-tokens as ``a·new + b·new·(prefix + new/2) + c`` (the matmuls, the attention over the context,
-a fixed part) from the prefills the serving stack reports, fitted for relative error, or takes
-a function of its own.
+tokens as ``a·new + b·new·prefix + c·new²/2 + d`` (the matmuls, the attention over the prefix,
+the causal attention among the new tokens, a fixed part) from the prefills the serving stack
+reports, fitted for relative error, or takes a function of its own.
 Until it has data it has no estimate.
 
 `choose_claim` compares, for every chunk boundary k of a located prefix, the time to first
@@ -96,8 +97,9 @@ class TierCost:
         self.name = name
         self.parallelism = parallelism
         self._fit = _DecayingFit(2, keep)
-        self._mean_bytes = 0.0
+        self._mean_shared = 0.0  # mean of bytes x reads in flight, over the reads seen
         self._mean_seconds = 0.0
+        self._mean_bytes = 0.0
         self._weight = 0.0
         self._keep = keep
         self._seed: tuple[float, float] | None = None  # (latency s, bytes per second)
@@ -114,8 +116,8 @@ class TierCost:
         return True
 
     def seed(self, *, throughput_bps: float, latency_s: float = 0.0) -> None:
-        """A prior (e.g. the tier's ceiling measured in the same run), used until it has read
-        `MIN_READS` chunks itself."""
+        """A prior (e.g. the tier's ceiling measured in the same run: an aggregate rate, shared
+        by the reads in flight), used until it has read `MIN_READS` chunks itself."""
         if throughput_bps <= 0 or latency_s < 0:
             raise ValueError(
                 f"TierCost {self.name}: seed needs throughput > 0 and latency >= 0, got "
@@ -127,43 +129,49 @@ class TierCost:
     def reads(self) -> int:
         return self._fit.count
 
-    def observe(self, nbytes: int, seconds: float, cached: bool | None = None) -> None:
-        """One chunk read: ``nbytes`` in ``seconds`` (on its own, though others ran beside it).
-        ``cached``: whether the tier found it in the page cache (`PageCachedTierCost` keeps
-        the two apart; here it is not used)."""
+    def observe(
+        self, nbytes: int, seconds: float, cached: bool | None = None, concurrency: int = 1
+    ) -> None:
+        """One chunk read: ``nbytes`` in ``seconds``, with ``concurrency`` reads of the tier in
+        flight when it started (itself included). ``cached``: whether the tier found it in the
+        page cache (`PageCachedTierCost` keeps the two apart; here it is not used)."""
         if nbytes <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
-        predicted = self.chunk_seconds(nbytes)
+        concurrency = max(1, concurrency)
+        predicted = self.chunk_seconds(nbytes, concurrency)
         if predicted is not None and self._fit.count >= MIN_READS:
             seconds = min(seconds, _CLIP * predicted)
-        self._fit.add((1.0, float(nbytes)), seconds)
+        shared = float(nbytes) * concurrency
+        self._fit.add((1.0, shared), seconds)
         self._weight = self._keep * self._weight + 1.0
         w = 1.0 / self._weight
-        self._mean_bytes += w * (nbytes - self._mean_bytes)
+        self._mean_shared += w * (shared - self._mean_shared)
         self._mean_seconds += w * (seconds - self._mean_seconds)
+        self._mean_bytes += w * (nbytes - self._mean_bytes)
 
     def _own(self) -> tuple[float, float] | None:
-        """(latency s, seconds per byte) from the reads seen, None before `MIN_READS`."""
+        """(latency s, seconds per shared byte) from the reads seen, None before `MIN_READS`."""
         if self._fit.count < MIN_READS:
             return None
         solved = self._fit.solve()
         if solved is not None and solved[0] >= 0 and solved[1] > 0:
             return solved[0], solved[1]
-        # All chunks one size (or a fit that makes no physical sense): time is proportional.
-        if self._mean_bytes <= 0:
+        # Reads all alike (one size, one concurrency), or a fit that makes no physical sense:
+        # time is proportional to the bytes in flight.
+        if self._mean_shared <= 0:
             return None
-        return 0.0, self._mean_seconds / self._mean_bytes
+        return 0.0, self._mean_seconds / self._mean_shared
 
-    def chunk_seconds(self, nbytes: int) -> float | None:
-        """Predicted time of one chunk's read, None while there is no estimate."""
+    def chunk_seconds(self, nbytes: int, concurrency: int = 1) -> float | None:
+        """Predicted time of one chunk's read with ``concurrency`` reads in flight (they share
+        the tier's bandwidth), None while there is no estimate."""
         own = self._own()
         if own is not None:
             latency, per_byte = own
-            return latency + per_byte * nbytes
+            return latency + per_byte * nbytes * concurrency
         if self._seed is not None:
             latency, rate = self._seed
-            # A seed is an aggregate rate: one chunk of `parallelism` reading at once.
-            return latency + nbytes * self.parallelism / rate
+            return latency + nbytes * concurrency / rate
         return None
 
     def load_seconds(self, chunk_bytes: Sequence[int]) -> float | None:
@@ -173,8 +181,11 @@ class TierCost:
         return self.chunks_seconds(len(chunk_bytes), round(sum(chunk_bytes) / len(chunk_bytes)))
 
     def chunks_seconds(self, count: int, nbytes: int) -> float | None:
-        """Predicted time to read ``count`` chunks of ``nbytes``, `parallelism` at a time."""
-        one = self.chunk_seconds(nbytes)
+        """Predicted time to read ``count`` chunks of ``nbytes``: ``ceil(count / parallelism)``
+        rounds of `parallelism` reads (fewer when ``count`` is smaller) sharing the tier."""
+        if count <= 0:
+            return 0.0
+        one = self.chunk_seconds(nbytes, min(count, self.parallelism))
         if one is None:
             return None
         return math.ceil(count / self.parallelism) * one
@@ -182,8 +193,10 @@ class TierCost:
     def throughput_bps(self) -> float | None:
         """Aggregate bytes per second at full parallelism for chunks of the usual size."""
         size = self._mean_bytes or None
-        one = self.chunk_seconds(round(size)) if size else None
-        if one is None or one <= 0 or size is None:
+        if size is None:
+            return None
+        one = self.chunk_seconds(round(size), self.parallelism)
+        if one is None or one <= 0:
             return None
         return self.parallelism * size / one
 
@@ -206,10 +219,13 @@ class PageCachedTierCost(TierCost):
         unknown)."""
         self.cached_share = None if share is None else min(max(share, 0.0), 1.0)
 
-    def observe(self, nbytes: int, seconds: float, cached: bool | None = None) -> None:
-        super().observe(nbytes, seconds)
+    def observe(
+        self, nbytes: int, seconds: float, cached: bool | None = None, concurrency: int = 1
+    ) -> None:
+        super().observe(nbytes, seconds, concurrency=concurrency)
         if cached is not None:
-            (self.cached if cached else self.uncached).observe(nbytes, seconds)
+            model = self.cached if cached else self.uncached
+            model.observe(nbytes, seconds, concurrency=concurrency)
 
     def chunks_seconds(self, count: int, nbytes: int) -> float | None:
         share = self.cached_share
@@ -221,7 +237,7 @@ class PageCachedTierCost(TierCost):
         for model, chunks in parts:
             if not chunks:
                 continue
-            one = model.chunk_seconds(nbytes)
+            one = model.chunk_seconds(nbytes, min(chunks, self.parallelism))
             if one is None:
                 return super().chunks_seconds(count, nbytes)
             total += math.ceil(chunks / self.parallelism) * one
@@ -236,11 +252,14 @@ class RecomputeCost:
         self, function: Callable[[int, int], float] | None = None, *, keep: float = 0.98
     ) -> None:
         self.function = function
-        self._fit = _DecayingFit(3, keep)
+        self._fit = _DecayingFit(4, keep)
 
     @staticmethod
-    def _features(new: int, prefix: int) -> tuple[float, float, float]:
-        return float(new), new * (prefix + new / 2.0), 1.0
+    def _features(new: int, prefix: int) -> tuple[float, float, float, float]:
+        # The matmuls, the attention over the resident prefix, the causal attention among the
+        # new tokens (a prefix runs another attention kernel: on an H200, 16384 new tokens over
+        # 16384 cached took longer than all 32768 from scratch), a fixed part.
+        return float(new), float(new) * prefix, new * new / 2.0, 1.0
 
     @property
     def observations(self) -> int:
@@ -259,7 +278,7 @@ class RecomputeCost:
             return 0.0
         if self.function is not None:
             return float(self.function(new_tokens, prefix_tokens))
-        if self._fit.count < 3:
+        if self._fit.count < 4:
             return None
         solved = self._fit.solve()
         if solved is None:

@@ -468,10 +468,13 @@ class TieredKVEngine:
                 storage.l1.touch(key)  # about to be used: evict it last
         if keys:
             # Keyed by the claim's last chunk: a retrieve of the claimed tokens finds it, and so
-            # does one of the whole prompt (`_take_implicit` tries each of its keys). A lookup
-            # of the same prompt that claimed another length leaves its prefetch to the
-            # `prefetch_max_pending` bound.
+            # does one of the whole prompt (`_take_implicit` tries each of its keys).
             implicit_key = (reg.model_name, keys[max(len(where), 1) - 1])
+            whole_key = (reg.model_name, keys[-1])
+            if whole_key != implicit_key:  # this prompt's earlier lookup that claimed it all
+                stale = self._implicit.pop(whole_key, None)
+                if stale is not None:
+                    stale.release_unused()
             if self.config.prefetch and any(location != -1 for location in where):
                 self._start_implicit(implicit_key, reg, keys, where, num_tokens)
             else:
@@ -565,7 +568,12 @@ class TieredKVEngine:
         num_tokens: int,
     ) -> None:
         previous = self._implicit.pop(implicit_key, None)
-        if previous is not None and not previous.released and len(previous.slots) >= len(where):
+        if (
+            previous is not None
+            and not previous.released
+            and len(previous.slots) >= len(where)
+            and not previous.failed_loads()
+        ):
             self._implicit[implicit_key] = previous  # a repeated lookup of a waiting request
             return
         handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=0)

@@ -343,6 +343,13 @@ class PrefetchHandle:
             ready += slot.num_tokens
         return ready
 
+    def failed_loads(self) -> bool:
+        """Whether a load of this handle ended without its chunk (a tier failed or missed)."""
+        return any(
+            slot.load is not None and slot.load.finished() and not slot.load.succeeded()
+            for slot in self.slots
+        )
+
     def ready_chunks(self) -> list[bool]:
         """Per slot (chunk ``first_chunk + i``): whether it is in host memory now. Unlike
         `ready_tokens`, a chunk not ready does not end the answer (a sliding-window layer group

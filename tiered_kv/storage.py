@@ -91,6 +91,7 @@ class _TierReads:
     read_seconds: float = 0.0  # sum of per-read latencies
     declined: int = 0
     declined_saved_seconds: float = 0.0
+    in_flight: int = 0
     busy: BusyClock = dataclasses.field(default_factory=BusyClock)
 
 
@@ -496,6 +497,8 @@ class StorageManager:
         reads = self.reads[tier_index]
         start = time.perf_counter()
         reads.busy.start()
+        reads.in_flight += 1
+        concurrency = reads.in_flight  # the reads this one shares the tier with, itself included
         try:
             found = await tier.get_into(key, obj)
         except asyncio.CancelledError:
@@ -504,6 +507,7 @@ class StorageManager:
             logger.warning("%s read of %s failed", tier.name, key.hex, exc_info=True)
             found = False
         finally:
+            reads.in_flight -= 1
             reads.busy.stop()
         elapsed = time.perf_counter() - start
         self.lower_read_seconds += elapsed
@@ -513,7 +517,9 @@ class StorageManager:
         reads.hits += 1
         reads.bytes_read += obj.nbytes
         reads.read_seconds += elapsed
-        self.costs[tier_index].observe(obj.nbytes, elapsed, tier.was_page_cached(key))
+        self.costs[tier_index].observe(
+            obj.nbytes, elapsed, tier.was_page_cached(key), concurrency=concurrency
+        )
         return True
 
     def expect_costs(self, keys: Sequence[ChunkKey], where: Sequence[int | None]) -> None:
