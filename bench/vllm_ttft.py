@@ -252,9 +252,9 @@ def main() -> None:
         "own_hit": "no connector, vLLM prefix-cache hit",
         "store": "connector, cold (stores)",
         "l1": "connector, L1 hit",
+        "l1_own": "connector, vLLM prefix-cache hit (4b)",
         "l2": "connector, L2 hit (fresh process)",
         "l3": "connector, L3 hit (tiered-kv serve)",
-        "l1_own": "connector, vLLM prefix-cache hit (4b)",
         "l3_slow": f"connector, L3 slowed {args.slow_read_ms:.0f} ms/read",
     }
     count = len(times["cold"])
