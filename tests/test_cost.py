@@ -127,13 +127,9 @@ def test_a_fast_tier_is_claimed_whole_and_a_slow_one_declined() -> None:
     fast = _tier(0.0, 32e9, parallelism=8)  # 8 at once share 32 GB/s: 16 ms for 16
     slow = _tier(0.0, 1.6e9, parallelism=8)  # 8 at once: 160 ms each
     common = {"chunk_tokens": 256, "chunk_bytes": 32 * MB, "total_tokens": 16 * 256 + 10}
-    claim = choose_claim(
-        [0] * 16, tiers=[fast], recompute=_recompute(30e-6), layerwise=False, **common
-    )
+    claim = choose_claim([0] * 16, tiers=[fast], recompute=_recompute(30e-6), **common)
     assert claim.chunks == 16 and claim.declined == {} and claim.saved_s == 0.0
-    claim = choose_claim(
-        [0] * 16, tiers=[slow], recompute=_recompute(30e-6), layerwise=False, **common
-    )
+    claim = choose_claim([0] * 16, tiers=[slow], recompute=_recompute(30e-6), **common)
     assert claim.chunks == 0 and claim.declined == {0: 16}
     assert claim.expected_s == pytest.approx(30e-6 * (16 * 256 + 10))
     assert claim.all_loaded_s is not None and claim.saved_s > 0.1
@@ -148,7 +144,6 @@ def test_the_l1_part_of_a_prefix_is_claimed_before_a_slow_tier() -> None:
         total_tokens=6 * 256,
         tiers=[slow],
         recompute=_recompute(30e-6),
-        layerwise=False,
     )
     assert claim.chunks == 3 and claim.declined == {0: 3}
 
@@ -229,26 +224,23 @@ async def test_l2_reads_teach_the_page_cache_estimates_and_lookups_probe_the_fil
         await engine.aclose()
 
 
-def test_layerwise_overlap_claims_what_a_whole_load_would_decline() -> None:
-    # Loading 8 chunks takes 90 ms, recomputing them 80 ms, the other 8 chunks 80 ms.
-    tier = TierCost("T", 8)
-    for _ in range(MIN_READS):
-        tier.observe(32 * MB, 0.090, concurrency=8)
-    kwargs = {
-        "chunk_tokens": 100,
-        "chunk_bytes": 32 * MB,
-        "total_tokens": 1600,
-        "tiers": [tier],
-        "recompute": _recompute(1e-4),
-    }
-    assert choose_claim([0] * 8, layerwise=False, **kwargs).chunks == 0  # 90 + 80 > 160
-    assert choose_claim([0] * 8, layerwise=True, **kwargs).chunks == 8  # max(90, 80) < 160
+def test_a_lower_tiers_reads_end_before_the_rest_is_computed() -> None:
+    """Loading 8 chunks takes 90 ms, recomputing them 80 ms, the other 8 chunks 80 ms: the
+    first layer needs every claimed chunk, so the load is not overlapped with the rest's
+    compute (90 + 80 > 160, declined); 60 ms loads are claimed (60 + 80 < 160)."""
+    kwargs = {"chunk_tokens": 100, "chunk_bytes": 32 * MB, "total_tokens": 1600}
+    for seconds, claimed in ((0.090, 0), (0.060, 8)):
+        tier = TierCost("T", 8)
+        for _ in range(MIN_READS):
+            tier.observe(32 * MB, seconds, concurrency=8)
+        claim = choose_claim([0] * 8, tiers=[tier], recompute=_recompute(1e-4), **kwargs)
+        assert claim.chunks == claimed
 
 
 def test_without_an_estimate_the_whole_prefix_is_claimed() -> None:
     unknown = TierCost("T", 4)
     known = _tier(0.0, 1e6)  # very slow, but the recompute side is unknown
-    args = {"chunk_tokens": 256, "chunk_bytes": MB, "total_tokens": 1024, "layerwise": False}
+    args = {"chunk_tokens": 256, "chunk_bytes": MB, "total_tokens": 1024}
     assert choose_claim([0] * 4, tiers=[unknown], recompute=_recompute(1e-9), **args).chunks == 4
     assert choose_claim([0] * 4, tiers=[known], recompute=RecomputeCost(), **args).chunks == 4
     assert choose_claim([-1] * 4, tiers=[known], recompute=RecomputeCost(), **args).chunks == 4

@@ -17,11 +17,14 @@ reports, fitted for relative error, or takes a function of its own.
 Until it has data it has no estimate.
 
 `choose_claim` compares, for every chunk boundary k of a located prefix, the time to first
-token when the first k chunks are loaded and the rest recomputed: whole loads
-``load(k) + compute(rest)``, layerwise ``max(load(k), compute(rest))``. Loads from different
-tiers run at once (the slowest tier's time counts); chunks in L1 cost nothing here. Without an
-estimate for a tier it needs, or for recomputing, it claims the whole located prefix (loading
-is the conservative default: a claim never costs correctness, and a hit is usually faster).
+token when the first k chunks are loaded and the rest recomputed, ``load(k) + compute(rest)``,
+layerwise loads included: a model's first layer needs every claimed chunk, and a lower tier
+delivers a chunk whole, so its reads end before the first layer computes (what a layerwise
+load overlaps with the model is the copy from host memory, not counted here). Loads from
+different tiers run at once (the slowest tier's time counts); chunks in L1 cost nothing here.
+Without an estimate for a tier it needs, or for recomputing, it claims the whole located prefix
+(loading is the conservative default: a claim never costs correctness, and a hit is usually
+faster).
 A declined tier is read no more, so the engine reads one of its declined chunks into L1 at
 most every `PROBE_INTERVAL_S` (`TierCost.probe_due`): its estimate keeps following the tier.
 
@@ -316,7 +319,6 @@ def choose_claim(
     total_tokens: int,
     tiers: Sequence[TierCost],
     recompute: RecomputeCost,
-    layerwise: bool,
 ) -> Claim:
     """The prefix of ``where`` (-1: L1, i: ``tiers[i]``) worth loading for a prompt of
     ``total_tokens``; see the module docstring."""
@@ -342,7 +344,7 @@ def choose_claim(
         rest = recompute.seconds(total_tokens - prefix, prefix)
         if rest is None:
             return everything
-        ttft = max(load, rest) if layerwise else load + rest
+        ttft = load + rest
         if best is None or ttft <= best[0]:
             best = (ttft, k)
         if k == located:

@@ -503,11 +503,6 @@ class TieredKVEngine:
             total_tokens=num_tokens,
             tiers=storage.costs,
             recompute=self.recompute,
-            layerwise=(
-                reg.layout.device.type == "cuda"
-                if self.config.layerwise is None
-                else self.config.layerwise
-            ),
         )
         storage.note_declined(claim)
         if claim.declined:
