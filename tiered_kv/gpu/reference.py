@@ -26,11 +26,24 @@ def _byte_view(view: torch.Tensor) -> torch.Tensor:
     return view if view.dtype == torch.uint8 else view.view(torch.uint8)
 
 
-def _slots(
+def _runs(
     layout: KVCacheLayout, block_ids: torch.Tensor, token_start: int, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    positions = torch.arange(token_start, token_start + num_tokens, device=block_ids.device)
-    return block_ids[positions // layout.block_size], positions % layout.block_size
+) -> list[tuple[int, int, int, int]]:
+    """The tokens ``[token_start, token_start + num_tokens)`` as runs within one block each:
+    (block id, first slot in it, first row of the chunk, rows). One ``copy_`` a run moves a
+    block's rows in one strided copy (advanced indexing of (block, slot) pairs was 3x slower
+    on the CPU, on vLLM's CPU layout)."""
+    size = layout.block_size
+    first, last = token_start // size, (token_start + num_tokens - 1) // size
+    ids = block_ids[first : last + 1].tolist()
+    runs = []
+    row = 0
+    for index, block in enumerate(ids, start=first):
+        start = max(token_start, index * size)
+        end = min(token_start + num_tokens, (index + 1) * size)
+        runs.append((int(block), start - index * size, row, end - start))
+        row += end - start
+    return runs
 
 
 def gather_chunk(
@@ -42,15 +55,17 @@ def gather_chunk(
     """Copy one chunk's tokens from every group (or only model ``layers``) into ``transfer.obj``
     (synchronous)."""
     obj = transfer.obj
-    blocks, offsets = _slots(layout, block_ids, transfer.token_start, obj.num_tokens)
+    runs = _runs(layout, block_ids, transfer.token_start, obj.num_tokens)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
         for i, kv in enumerate(group.kv_views):
             if layers is not None and group.layer_indices[i] not in layers:
                 continue
             for k, view in enumerate(kv):
-                rows = _byte_view(view)[blocks, offsets]
-                host[i, k].copy_(rows.reshape(obj.num_tokens, -1), non_blocking=False)
+                source, target = _byte_view(view), host[i, k]
+                for block, slot, row, count in runs:
+                    rows = source[block, slot : slot + count].reshape(count, -1)
+                    target[row : row + count].copy_(rows, non_blocking=False)
 
 
 def scatter_chunk(
@@ -66,7 +81,7 @@ def scatter_chunk(
     count = obj.num_tokens - skip
     if count == 0:
         return
-    blocks, offsets = _slots(layout, block_ids, transfer.token_start + skip, count)
+    runs = _runs(layout, block_ids, transfer.token_start + skip, count)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
         shape = _row_shape(group)
@@ -74,8 +89,10 @@ def scatter_chunk(
             if layers is not None and group.layer_indices[i] not in layers:
                 continue
             for k, view in enumerate(kv):
-                rows = host[i, k, skip:].to(view.device, non_blocking=False)
-                _byte_view(view).index_put_((blocks, offsets), rows.view(count, *shape))
+                rows = host[i, k, skip:].to(view.device, non_blocking=False).view(count, *shape)
+                target = _byte_view(view)
+                for block, slot, row, run in runs:
+                    target[block, slot : slot + run].copy_(rows[row : row + run])
 
 
 def _row_shape(group: LayerGroup) -> tuple[int, int]:
@@ -194,7 +211,7 @@ class TorchMover(KVMover):
             start = time.perf_counter()
             error: BaseException | None = None
             try:
-                ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=layout.device)
+                ids = torch.as_tensor(list(block_ids), dtype=torch.long)  # host: runs are ints
                 if ready is None:
                     copy_all(ids, None)
                 else:
