@@ -162,14 +162,13 @@ class ChunkRead:
     """One chunk file read into ``buffers`` (the groups' payloads, in order) as parts that run
     on any read threads at once (`parts`), then judged on the loop (`outcome`).
 
-    Part 0 opens the file, checks its header
-    against what the caller expects (the key, the layout, the file's length) and stamps its
-    recency; each other part reads a run of whole
+    Part 0 opens the file, checks its header against what the caller expects (the key, the
+    layout, the file's length) and stamps its recency; each other part reads a run of whole
     stripes at the offsets the expected header implies and hashes each stripe as it lands. The
     first of them notes whether its stripes were in the page cache before it read them
-    (`cached`: no other part reads them, so this is the file's state before the read). A
-    file that is not the expected one fails part 0's checks, so the bytes the stripe parts put
-    in the buffers are never trusted.
+    (`cached`: no other part reads them, so this is the file's state before the read). A file
+    that is not the expected one fails part 0's checks, so the bytes the stripe parts put in
+    the buffers are never trusted.
     """
 
     def __init__(
