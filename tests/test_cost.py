@@ -118,6 +118,19 @@ def test_recompute_fits_short_and_long_prefills_alike() -> None:
     assert half is not None and whole is not None and half > whole
 
 
+def test_a_prefix_term_the_prefills_cannot_pin_down_is_not_used() -> None:
+    """Prefills from scratch and one short one over a prefix that ran faster than the fixed
+    part (as on a loaded CPU): a term of the prefix's own would come out negative, and a
+    longer prefix would look cheaper. The estimate uses one attention term then."""
+    model = RecomputeCost()
+    for new in (200, 400, 700, 1000):
+        model.observe(new, 0, 1e-3 * new + 0.05)
+    model.observe(12, 1088, 0.04)
+    over_prefix, from_scratch = model.seconds(736, 256), model.seconds(736, 0)
+    assert over_prefix is not None and from_scratch is not None
+    assert over_prefix >= from_scratch
+
+
 def _recompute(per_token_s: float) -> RecomputeCost:
     return RecomputeCost(lambda new, prefix: per_token_s * new)
 

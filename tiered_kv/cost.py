@@ -52,6 +52,7 @@ class _DecayingFit:
         self._xtx = [[0.0] * features for _ in range(features)]
         self._xty = [0.0] * features
         self._solved: tuple[list[float] | None] | None = None  # until the next `add`
+        self._nonnegative: tuple[list[float] | None] | None = None  # likewise
 
     def add(self, x: Sequence[float], y: float) -> None:
         n = len(self._xty)
@@ -62,21 +63,46 @@ class _DecayingFit:
                 row[j] = self.keep * row[j] + x[i] * x[j]
         self.count += 1
         self._solved = None
+        self._nonnegative = None
 
     def solve(self) -> list[float] | None:
         if self._solved is None:
             self._solved = (self._solve(),)
         return self._solved[0]
 
-    def _solve(self) -> list[float] | None:
-        n = len(self._xty)
+    def solve_nonnegative(self) -> list[float] | None:
+        """The fit with every coefficient >= 0: features never seen (all zero) are left out,
+        and those whose coefficient comes out negative are dropped (set to 0) one at a time,
+        the most negative first, and the rest refitted."""
+        if self._nonnegative is None:
+            self._nonnegative = (self._solve_nonnegative(),)
+        return self._nonnegative[0]
+
+    def _solve_nonnegative(self) -> list[float] | None:
+        active = [i for i in range(len(self._xty)) if self._xtx[i][i] > 0]
+        while active:
+            solved = self._solve(active)
+            if solved is None:
+                return None
+            worst = min(range(len(active)), key=lambda i: solved[i])
+            if solved[worst] >= 0:
+                out = [0.0] * len(self._xty)
+                for index, value in zip(active, solved, strict=True):
+                    out[index] = value
+                return out
+            del active[worst]
+        return None
+
+    def _solve(self, active: Sequence[int] | None = None) -> list[float] | None:
+        idx = list(range(len(self._xty))) if active is None else list(active)
+        n = len(idx)
         # Columns scaled to a unit diagonal first: the features differ by many orders.
-        d = [math.sqrt(self._xtx[i][i]) for i in range(n)]
+        d = [math.sqrt(self._xtx[i][i]) for i in idx]
         if not all(v > 0 for v in d):
             return None
         a = [
-            [*(self._xtx[i][j] / (d[i] * d[j]) for j in range(n)), self._xty[i] / d[i]]
-            for i in range(n)
+            [*(self._xtx[i][j] / (d[r] * d[c]) for c, j in enumerate(idx)), self._xty[i] / d[r]]
+            for r, i in enumerate(idx)
         ]
         for col in range(n):
             pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
@@ -283,12 +309,14 @@ class RecomputeCost:
             return float(self.function(new_tokens, prefix_tokens))
         if self._fit.count < 4:
             return None
-        solved = self._fit.solve()
+        # Every coefficient of a physical model is >= 0: a term the prefills seen cannot pin
+        # down (a few short ones over a prefix on a loaded CPU gave the prefix a negative one,
+        # and a prompt's compute shrank with its prefix) is left out instead.
+        solved = self._fit.solve_nonnegative()
         if solved is None:
             return None
-        value = sum(
-            c * f for c, f in zip(solved, self._features(new_tokens, prefix_tokens), strict=True)
-        )
+        features = self._features(new_tokens, prefix_tokens)
+        value = sum(c * f for c, f in zip(solved, features, strict=True))
         return max(value, 0.0)
 
 
