@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,14 @@ import torch
 
 from tests.kvfactory import make_caches
 from tiered_kv import EngineConfig, TieredKVEngine
-from tiered_kv.cost import MIN_READS, PageCachedTierCost, RecomputeCost, TierCost, choose_claim
+from tiered_kv.cost import (
+    MIN_READS,
+    PageCachedTierCost,
+    RecomputeCost,
+    TierCost,
+    _DecayingFit,
+    choose_claim,
+)
 from tiered_kv.errors import ConfigError
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
@@ -129,6 +137,48 @@ def test_a_prefix_term_the_prefills_cannot_pin_down_is_not_used() -> None:
     over_prefix, from_scratch = model.seconds(736, 256), model.seconds(736, 0)
     assert over_prefix is not None and from_scratch is not None
     assert over_prefix >= from_scratch
+
+
+def test_three_prefill_shapes_give_an_estimate_from_the_terms_they_pin_down() -> None:
+    """One prompt length's prefills (from scratch, half over a prefix, one token over the
+    rest), as measured on an H200: three shapes cannot pin down four terms. The estimate comes
+    from the terms they do (non-negative least squares over subsets of the terms), so each
+    shape is estimated as measured and loading half of the prompt is still seen not to pay."""
+    measured = [(32768, 0, 1.4037), (1, 32767, 0.0110), (16384, 16384, 1.4509)]
+    model = RecomputeCost()
+    for new, prefix, seconds in measured[:2]:
+        model.observe(new, prefix, seconds)
+    assert model.seconds(32768, 0) is None  # two prefills: no estimate yet
+    model.observe(*measured[2])
+    for new, prefix, seconds in measured:
+        estimate = model.seconds(new, prefix)
+        assert estimate is not None and 0.9 <= estimate / seconds <= 1.1, (new, prefix)
+    half, whole = model.seconds(16384, 16384), model.seconds(32768, 0)
+    assert half is not None and whole is not None and half > whole
+
+
+def test_the_nonnegative_fit_is_the_best_one_over_every_subset_of_terms() -> None:
+    """A brute-force check of the exact non-negative least squares: no non-negative subset
+    fit leaves less squared error than the one chosen."""
+    fit = _DecayingFit(3, keep=1.0)
+    rows = [
+        ((1.0, 2.0, 0.5), 3.0),
+        ((2.0, 0.1, 1.0), 1.0),
+        ((0.5, 3.0, 2.0), 2.5),
+        ((1.5, 1.0, 0.2), 0.4),
+    ]
+    for x, y in rows:
+        fit.add(x, y)
+    chosen = fit.solve_nonnegative()
+    assert chosen is not None and min(chosen) >= 0
+
+    def error(coef: Sequence[float]) -> float:
+        return sum((y - sum(c * v for c, v in zip(coef, x, strict=True))) ** 2 for x, y in rows)
+
+    # A grid of non-negative coefficients never beats it.
+    grid = [i * 0.05 for i in range(41)]
+    best_grid = min(error((a, b, c)) for a in grid for b in grid for c in grid)
+    assert error(chosen) <= best_grid + 1e-9
 
 
 def _recompute(per_token_s: float) -> RecomputeCost:

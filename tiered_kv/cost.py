@@ -13,8 +13,8 @@ chunks it has no estimate, unless seeded (`seed`).
 `RecomputeCost` learns the prefill time of ``new`` tokens over a resident prefix of ``prefix``
 tokens as ``a·new + b·new·prefix + c·new²/2 + d`` (the matmuls, the attention over the prefix,
 the causal attention among the new tokens, a fixed part) from the prefills the serving stack
-reports, fitted for relative error, or takes a function of its own.
-Until it has data it has no estimate.
+reports, fitted for relative error with every coefficient >= 0, or takes a function of its
+own. Until it has seen `MIN_PREFILLS` prefills it has no estimate.
 
 `choose_claim` compares, for every chunk boundary k of a located prefix, the time to first
 token when the first k chunks are loaded and the rest recomputed, ``load(k) + compute(rest)``,
@@ -34,10 +34,12 @@ Loop-only; pure arithmetic, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
 MIN_READS = 4  # reads before a tier's own estimate is used
+MIN_PREFILLS = 3  # prefills before the recompute model estimates (three shapes fit three terms)
 PROBE_INTERVAL_S = 10.0  # a tier whose hits are declined gets one chunk read this often
 _CLIP = 4.0  # an observation counts at most this many times the current prediction
 
@@ -51,11 +53,13 @@ class _DecayingFit:
         self.count = 0
         self._xtx = [[0.0] * features for _ in range(features)]
         self._xty = [0.0] * features
+        self._yty = 0.0
         self._solved: tuple[list[float] | None] | None = None  # until the next `add`
         self._nonnegative: tuple[list[float] | None] | None = None  # likewise
 
     def add(self, x: Sequence[float], y: float) -> None:
         n = len(self._xty)
+        self._yty = self.keep * self._yty + y * y
         for i in range(n):
             self._xty[i] = self.keep * self._xty[i] + x[i] * y
             row = self._xtx[i]
@@ -71,27 +75,44 @@ class _DecayingFit:
         return self._solved[0]
 
     def solve_nonnegative(self) -> list[float] | None:
-        """The fit with every coefficient >= 0: features never seen (all zero) are left out,
-        and those whose coefficient comes out negative are dropped (set to 0) one at a time,
-        the most negative first, and the rest refitted."""
+        """The least-squares fit with every coefficient >= 0 (non-negative least squares),
+        found exactly: the solvable subset of features whose own fit is non-negative and leaves
+        the least squared error, the others set to 0 (of fits within a hair of each other, the
+        one with fewer features). Features never seen (all zero) are left out; so is any subset
+        the observations cannot pin down (a singular system), so a few distinct prefill shapes
+        still give an estimate from the terms they do determine. None when no subset is
+        solvable."""
         if self._nonnegative is None:
             self._nonnegative = (self._solve_nonnegative(),)
         return self._nonnegative[0]
 
     def _solve_nonnegative(self) -> list[float] | None:
-        active = [i for i in range(len(self._xty)) if self._xtx[i][i] > 0]
-        while active:
-            solved = self._solve(active)
-            if solved is None:
-                return None
-            worst = min(range(len(active)), key=lambda i: solved[i])
-            if solved[worst] >= 0:
-                out = [0.0] * len(self._xty)
-                for index, value in zip(active, solved, strict=True):
-                    out[index] = value
-                return out
-            del active[worst]
-        return None
+        seen = [i for i in range(len(self._xty)) if self._xtx[i][i] > 0]
+        scale = max(self._yty, 1e-300)
+        best: tuple[float, Sequence[int], list[float]] | None = None
+        for size in range(1, len(seen) + 1):
+            for subset in itertools.combinations(seen, size):
+                solved = self._solve(subset)
+                if solved is None or min(solved) < 0:
+                    continue
+                error = self._squared_error(subset, solved)
+                if best is None or error < best[0] - 1e-9 * scale:
+                    best = (error, subset, solved)
+        if best is None:
+            return None
+        out = [0.0] * len(self._xty)
+        for index, value in zip(best[1], best[2], strict=True):
+            out[index] = value
+        return out
+
+    def _squared_error(self, active: Sequence[int], coef: Sequence[float]) -> float:
+        """The weighted sum of squared residuals of the fit ``coef`` over features ``active``."""
+        error = self._yty
+        for a, i in enumerate(active):
+            error -= 2.0 * coef[a] * self._xty[i]
+            for b, j in enumerate(active):
+                error += coef[a] * coef[b] * self._xtx[i][j]
+        return max(error, 0.0)
 
     def _solve(self, active: Sequence[int] | None = None) -> list[float] | None:
         idx = list(range(len(self._xty))) if active is None else list(active)
@@ -307,11 +328,12 @@ class RecomputeCost:
             return 0.0
         if self.function is not None:
             return float(self.function(new_tokens, prefix_tokens))
-        if self._fit.count < 4:
+        if self._fit.count < MIN_PREFILLS:
             return None
-        # Every coefficient of a physical model is >= 0: a term the prefills seen cannot pin
-        # down (a few short ones over a prefix on a loaded CPU gave the prefix a negative one,
-        # and a prompt's compute shrank with its prefix) is left out instead.
+        # Every coefficient of a physical model is >= 0, and a term the prefills seen cannot pin
+        # down is left out: a few short ones over a prefix on a loaded CPU gave the prefix a
+        # negative one (a prompt's compute shrank with its prefix), and three prefill shapes
+        # leave four terms undetermined (no estimate at all, so every hit was loaded).
         solved = self._fit.solve_nonnegative()
         if solved is None:
             return None
