@@ -63,6 +63,7 @@ from tiered_kv.integrations.lookup_channel import (
     default_socket_dir,
     socket_path,
 )
+from tiered_kv.integrations.prefill_timer import GpuPrefillTimer
 from tiered_kv.keys import KeySalt
 from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore
 
@@ -367,6 +368,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = False  # decided at registration (EngineConfig.layerwise)
         self._layer_index: dict[str, int] = {}  # layer name -> registration order
         self._on_cuda = False  # the KV caches are CUDA tensors (set at registration)
+        self._gpu_timer: GpuPrefillTimer | None = None  # CUDA caches: prefills timed by events
         self._step_started: float | None = None  # perf_counter() at the step's metadata
         self._loads_timed: tuple[float, float] | None = None  # start_load_kv's begin and end
         self._loads: list[SyncLayerwiseRetrieve] = []  # this step's layerwise loads
@@ -457,6 +459,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._hybrid:
             layerwise = False
         self._on_cuda = first.device.type == "cuda"
+        self._gpu_timer = GpuPrefillTimer(first.device) if self._on_cuda else None
         self._layerwise = self._on_cuda if layerwise is None else layerwise
         self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         logger.info(
@@ -477,6 +480,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # has synchronous loads, see `_observe_prefill`).
         self._step_started = time.perf_counter()
         self._loads_timed = None
+        timer = self._gpu_timer
+        if timer is not None:
+            self._report_gpu_prefills(timer)
+            meta = connector_metadata
+            if isinstance(meta, TieredKVMetadata) and meta.prefill is not None and not meta.loads:
+                timer.begin(*meta.prefill)  # a prefill without loads: all of it is compute
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         began = time.perf_counter()
@@ -707,9 +716,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Report the step's forward time to the recompute model when the step was one
         request's prefill (``meta.prefill``): from `bind_connector_metadata` (or the end of
         this step's synchronous loads, which vLLM runs before the forward) to `wait_for_save`.
-        Wall time of the worker's thread: exact on CPU caches, where the forward runs in it;
-        CUDA caches (kernels still queued) and layerwise loads (waits inside the forward) are
-        not timed."""
+        Wall time of the worker's thread on CPU caches, where the forward runs in it (steps
+        with layerwise loads, which wait inside the forward, are not timed). CUDA caches: the
+        GPU's time between two events (`GpuPrefillTimer`), of steps without loads, read at a
+        later step."""
+        if self._gpu_timer is not None:
+            self._gpu_timer.end()
+            return
         meta = self._connector_metadata
         host, started = self._host, self._step_started
         if (
@@ -718,7 +731,6 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             or host is None
             or started is None
             or self._layerwise
-            or self._on_cuda
         ):
             return
         loads = self._loads_timed
@@ -731,6 +743,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         seconds = forward_ended - started
         if seconds > 0:
             new_tokens, prefix_tokens = meta.prefill
+            host.observe_prefill(new_tokens, prefix_tokens, seconds)
+
+    def _report_gpu_prefills(self, timer: GpuPrefillTimer) -> None:
+        """The recompute model learns every timed prefill the GPU has finished."""
+        host = self._host
+        if host is None:
+            return
+        for new_tokens, prefix_tokens, seconds in timer.poll():
             host.observe_prefill(new_tokens, prefix_tokens, seconds)
 
     def _finish_loads(self) -> None:
