@@ -33,6 +33,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("sync",),
     ("", "integrations", "benchmarks"),  # "": the package's __init__ (the public names)
+    # The vLLM connector: what both halves share, the two halves, the class vLLM loads.
+    ("integrations.vllm.config", "integrations.vllm.metadata", "integrations.vllm.stats"),
+    ("integrations.vllm.scheduler", "integrations.vllm.worker"),
+    ("integrations.vllm.connector",),
+    ("integrations.vllm",),  # its __init__: `TieredKVConnector` for vLLM's loader
     ("cli",),
 )
 
@@ -135,3 +140,11 @@ def test_the_import_graph_has_no_cycle() -> None:
         if node not in state:
             visit(node, [])
     assert cycles == [], " ; ".join(" -> ".join(f"tiered_kv.{m}" for m in c) for c in cycles)
+
+
+def test_the_vllm_connectors_halves_never_import_each_other() -> None:
+    """The scheduler's and the workers' halves live in different processes: neither may reach
+    the other's state, so neither imports the other."""
+    graph = _graph()
+    scheduler, worker = "integrations.vllm.scheduler", "integrations.vllm.worker"
+    assert worker not in graph[scheduler] and scheduler not in graph[worker]

@@ -156,6 +156,36 @@ def test_tensor_parallel_hit_is_the_minimum_over_ranks(make_config: Callable[...
         scheduler.shutdown()
 
 
+def test_each_role_holds_only_its_half(make_config: Callable[..., Any]) -> None:
+    """A scheduler-role connector has no engine and a worker-role one no lookup client: a hook
+    of the other role answers "nothing" when it is a query and raises when it would act."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    config = make_config()
+    scheduler = _connector(config, "scheduler")
+    worker = _connector(config, "worker")
+    try:
+        request = _request("r", _tokens(13, 100))
+        assert scheduler.get_finished({"r"}) == (None, None)
+        assert scheduler.get_block_ids_with_load_errors() == set()
+        assert scheduler.get_kv_connector_kv_cache_events() is None
+        scheduler.wait_for_layer_load("model.layers.0.self_attn.attn")
+        assert worker.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert list(worker.take_events()) == []
+        for act in (
+            lambda: scheduler.register_kv_caches(_caches(seed=13)),
+            lambda: scheduler.engine_stats(),
+            lambda: worker.build_connector_meta(SchedulerOutput.make_empty()),
+            lambda: worker.request_finished(request, []),
+        ):
+            with pytest.raises(RuntimeError, match="-role connector has no"):
+                act()
+        assert scheduler.failures == 0 and worker.failures == 0
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
 class _ThreadGatedTier(FaultyTier):
     """Reads wait until the test opens ``opened`` (a threading.Event: the test is on another
     thread than the engine's loop)."""
@@ -206,7 +236,7 @@ def test_lookup_answers_ask_again_while_loads_are_in_flight(
 
 
 def _meta(**fields: Any) -> Any:
-    from tiered_kv.integrations.vllm import TieredKVMetadata
+    from tiered_kv.integrations.vllm.metadata import TieredKVMetadata
 
     return TieredKVMetadata(**fields)
 
@@ -227,7 +257,7 @@ def test_finished_or_aborted_request_releases_its_prefetch(
     prefetch; the worker holds nothing afterwards."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from tiered_kv.integrations.vllm import StoreSpec
+    from tiered_kv.integrations.vllm.metadata import StoreSpec
 
     config = make_config()
     scheduler = _connector(config, "scheduler")
@@ -259,7 +289,7 @@ def test_short_load_reports_failed_blocks_and_stats(make_config: Callable[..., A
     the loaded blocks equal the stored ones bit for bit, the rest are reported once through
     get_block_ids_with_load_errors (vLLM recomputes them) and counted in the connector stats,
     and blocks outside the load stay untouched."""
-    from tiered_kv.integrations.vllm import LoadSpec, StoreSpec
+    from tiered_kv.integrations.vllm.metadata import LoadSpec, StoreSpec
 
     config = make_config()
     worker = _connector(config, "worker")
@@ -314,7 +344,7 @@ def test_claimed_chunks_stay_in_l1_until_loaded(make_config: Callable[..., Any])
     unreferenced (the pressure other requests' stores would bring): the claimed chunks were
     pinned by the answer, so the load delivers every claimed block bit for bit and reports
     none as failed; the pins go with the load."""
-    from tiered_kv.integrations.vllm import LoadSpec, StoreSpec
+    from tiered_kv.integrations.vllm.metadata import LoadSpec, StoreSpec
 
     config = make_config()
     scheduler = _connector(config, "scheduler")
@@ -327,15 +357,16 @@ def test_claimed_chunks_stay_in_l1_until_loaded(make_config: Callable[..., Any])
         stored = {name: cache[0:4].clone() for name, cache in caches.items()}
         assert _answer(scheduler, _request("claimed", tokens)) == 128
         assert worker.engine_stats()["host"]["pinned_bytes"] > 0
-        assert worker._host.evict_l1() == 0  # nothing unreferenced: both chunks are pinned
+        host = worker.worker_half.host
+        assert host.evict_l1() == 0  # nothing unreferenced: both chunks are pinned
         _run_step(worker, _meta(loads=[LoadSpec("claimed", tokens[:128], [8, 9, 10, 11], 0)]))
         assert worker.get_block_ids_with_load_errors() == set()
         for name, cache in caches.items():
             assert torch.equal(cache[8:12], stored[name])
-        host = worker.engine_stats()["host"]
-        assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (128, 0)
-        assert host["pinned_bytes"] == 0 and host["prefetches_held"] == 0
-        assert worker._host.evict_l1() > 0  # unpinned now: evictable again
+        stats = worker.engine_stats()["host"]
+        assert (stats["loaded_tokens"], stats["load_shortfall_tokens"]) == (128, 0)
+        assert stats["pinned_bytes"] == 0 and stats["prefetches_held"] == 0
+        assert host.evict_l1() > 0  # unpinned now: evictable again
     finally:
         worker.shutdown()
         scheduler.shutdown()
@@ -410,7 +441,8 @@ def test_hybrid_load_that_falls_short_is_a_failed_receive(
     written only over its window."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from tiered_kv.integrations.vllm import LoadSpec, StoreSpec, TieredKVConnector
+    from tiered_kv.integrations.vllm import TieredKVConnector
+    from tiered_kv.integrations.vllm.metadata import LoadSpec, StoreSpec
 
     config, kv_cache_config = _hybrid_config(make_config)
     worker = TieredKVConnector(config, KVConnectorRole.WORKER, kv_cache_config)
@@ -449,7 +481,7 @@ def test_hybrid_load_that_falls_short_is_a_failed_receive(
 
 
 def test_a_step_is_timed_as_a_prefill_only_when_one_prefill_dominates_it() -> None:
-    from tiered_kv.integrations.vllm import prefill_of_step
+    from tiered_kv.integrations.vllm.metadata import prefill_of_step
 
     assert prefill_of_step({"a": 512}, {"a": 256}) == (512, 256)
     assert prefill_of_step({"a": 512, "b": 1, "c": 1}, {"a": 0, "b": 90}) == (514, 0)
@@ -479,9 +511,9 @@ def test_a_lookup_waits_for_its_reply_within_the_steps_budget(
     do not wait at all."""
     import socket
 
-    import tiered_kv.integrations.vllm as connector_module
+    import tiered_kv.integrations.vllm.scheduler as scheduler_module
 
-    monkeypatch.setattr(connector_module, "LOOKUP_WAIT_PER_STEP_S", 30.0)  # as long as it takes
+    monkeypatch.setattr(scheduler_module, "LOOKUP_WAIT_PER_STEP_S", 30.0)  # as long as it takes
     config = make_config()
     scheduler = _connector(config, "scheduler")
     tokens = _tokens(12, 100)
@@ -494,7 +526,7 @@ def test_a_lookup_waits_for_its_reply_within_the_steps_budget(
     finally:
         scheduler.shutdown()
 
-    monkeypatch.setattr(connector_module, "LOOKUP_WAIT_PER_STEP_S", 0.05)
+    monkeypatch.setattr(scheduler_module, "LOOKUP_WAIT_PER_STEP_S", 0.05)
     config = make_config()
     scheduler = _connector(config, "scheduler")
     transfer = config.kv_transfer_config
@@ -505,12 +537,12 @@ def test_a_lookup_waits_for_its_reply_within_the_steps_budget(
     silent.listen()
     try:
         first = scheduler.get_num_new_matched_tokens(_request("a", tokens), 0)
-        assert first == (None, False) and scheduler._lookup_wait_left == 0
+        assert first == (None, False) and scheduler.scheduler_half.lookup_wait_left == 0
         assert scheduler.get_num_new_matched_tokens(_request("b", tokens), 0) == (None, False)
         from vllm.v1.core.sched.output import SchedulerOutput
 
         scheduler.build_connector_meta(SchedulerOutput.make_empty())  # next step: new budget
-        assert scheduler._lookup_wait_left == 0.05
+        assert scheduler.scheduler_half.lookup_wait_left == 0.05
     finally:
         scheduler.shutdown()
         silent.close()

@@ -244,7 +244,7 @@ def _default_fingerprint(model_dir: pathlib.Path) -> str:
     """The fingerprint the connector gives the runner's model (same dtype, no parallelism)."""
     from vllm.config import ModelConfig, VllmConfig
 
-    from tiered_kv.integrations.vllm import default_fingerprint
+    from tiered_kv.integrations.vllm.config import default_fingerprint
 
     model = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512)
     return default_fingerprint(VllmConfig(model_config=model))

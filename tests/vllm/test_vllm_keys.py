@@ -194,7 +194,7 @@ def test_request_salt_follows_vllms_request_fields(tmp_path: pathlib.Path) -> No
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
-    from tiered_kv.integrations.vllm import request_salt
+    from tiered_kv.integrations.vllm.scheduler import request_salt
     from tiered_kv.keys import KeyScope, chunk_keys
 
     tokens = _prompt(4, 200)
