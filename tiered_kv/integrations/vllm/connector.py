@@ -56,7 +56,6 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = ConnectorSettings.from_vllm(vllm_config, kv_cache_config)
-        self.options: ConnectorOptions = settings.options
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -65,11 +64,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerHalf(settings, vllm_config)
 
     @property
-    def engine_config(self) -> EngineConfig:
-        """The engine's config: the worker's carries the fingerprint it computed."""
+    def settings(self) -> ConnectorSettings:
+        """What this connector read from vLLM's config (a worker's `EngineConfig` carries the
+        fingerprint it computed)."""
         if self._worker is not None:
-            return self._worker.engine_config
-        return self.scheduler_half.settings.engine_config
+            return self._worker.settings
+        return self.scheduler_half.settings
+
+    @property
+    def options(self) -> ConnectorOptions:
+        return self.settings.options
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.settings.engine_config
 
     @property
     def failures(self) -> int:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.engine_host import EngineHost, window_start
 from tiered_kv.integrations.kv_events import EventGroup, TieredKVEvents, to_vllm_events
@@ -51,19 +52,19 @@ class WorkerHalf:
     with the step's metadata (see the module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig) -> None:
-        self.settings = settings
-        self.engine_config = settings.engine_config
-        self._vllm_config = vllm_config  # read at registration: vLLM's resolved KV layout
         if not settings.fingerprint_given:
             started = time.perf_counter()
             fingerprint = default_fingerprint(vllm_config)
-            self.engine_config = dataclasses.replace(self.engine_config, fingerprint=fingerprint)
+            engine_config = dataclasses.replace(settings.engine_config, fingerprint=fingerprint)
+            settings = dataclasses.replace(settings, engine_config=engine_config)
             logger.info(
                 "TieredKVConnector: model fingerprint %s (%.3f s)",
                 fingerprint,
                 time.perf_counter() - started,
             )
-        self._host: EngineHost | None = EngineHost(self.engine_config)
+        self.settings = settings  # its engine_config carries the fingerprint
+        self._vllm_config = vllm_config  # read at registration: vLLM's resolved KV layout
+        self._host: EngineHost | None = EngineHost(settings.engine_config)
         self._event_groups: dict[str, EventGroup] = {}  # model name in keys -> group
         self._finished_recving: set[str] = set()  # hybrid: async loads done this step
         self._failed_recving: set[str] = set()  # hybrid: ... and those that fell short
@@ -79,6 +80,11 @@ class WorkerHalf:
         self._stats_last: dict[str, float] = {}
         self.load_error_blocks = 0  # blocks reported to vLLM as not loaded (recomputed)
         self.failures = 0  # loads / stores that raised (logged, counted, turned into misses)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The engine's config, with the fingerprint this worker computed unless given."""
+        return self.settings.engine_config
 
     @property
     def host(self) -> EngineHost:
