@@ -661,7 +661,7 @@ async def overhead_of(
             raise RuntimeError(f"store stored {stored} of {num_tokens} tokens")
 
     async def retrieve_resident() -> None:
-        got = await engine.retrieve(resident, block_ids)
+        got = (await engine.retrieve(resident, block_ids)).valid_tokens
         if got != num_tokens:
             raise RuntimeError(f"retrieve returned {got} of {num_tokens} tokens")
 

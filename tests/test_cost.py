@@ -278,7 +278,7 @@ async def test_l2_reads_teach_the_page_cache_estimates_and_lookups_probe_the_fil
         assert tier.cached_share(keys) == 0.0
         assert await engine.lookup(TOKENS) == len(TOKENS)
         assert cost.cached_share == 0.0  # the lookup's probe, before its reads
-        result = await engine.retrieve_detailed(TOKENS, DST)
+        result = await engine.retrieve(TOKENS, DST)
         assert result.valid_tokens == len(TOKENS)
         await _settle(engine)
         assert (cost.cached.reads, cost.uncached.reads) == (8, 8)
@@ -344,7 +344,7 @@ async def _request(engine: TieredKVEngine) -> int:
     consumes the prefetch the lookup started), then L1 emptied once every load ended."""
     claimed = await engine.lookup(TOKENS)
     if claimed:
-        result = await engine.retrieve_detailed(TOKENS[:claimed], DST)
+        result = await engine.retrieve(TOKENS[:claimed], DST)
         assert result.valid_tokens == claimed
     await _settle(engine)
     return claimed

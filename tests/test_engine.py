@@ -44,7 +44,7 @@ def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
         reference = caches.snapshot()
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        assert engine.retrieve(TOKENS, dst, skip_prefix_tokens=10) == 100
+        assert engine.retrieve(TOKENS, dst, skip_prefix_tokens=10).valid_tokens == 100
         expect_copy(caches, expected, reference, src, dst, range(10, 100), 16)
         assert caches.bytes_equal(expected)
         stats = engine.stats()
@@ -62,7 +62,7 @@ def test_blocking_verbs_have_the_async_verbs_signatures() -> None:
 
     import tiered_kv.engine
 
-    verbs = ["register_kv_caches", "store", "lookup", "retrieve", "retrieve_detailed", "flush"]
+    verbs = ["register_kv_caches", "store", "lookup", "flush"]
     for name in [*verbs, "evict_l1", "stats", "metrics_text"]:
         blocking, original = getattr(SyncTieredKVEngine, name), getattr(TieredKVEngine, name)
         assert inspect.signature(blocking) == inspect.signature(original), name
@@ -134,8 +134,10 @@ async def test_salted_requests_share_chunks_only_under_the_same_salt() -> None:
         assert await engine.lookup(TOKENS, salt=tenant_b) == 0
         assert await engine.lookup(TOKENS) == 0
         assert await engine.lookup(TOKENS, salt=tenant_a) == 100
-        assert await engine.retrieve(TOKENS, list(range(8, 15)), salt=tenant_b) == 0
-        assert await engine.retrieve(TOKENS, list(range(8, 15)), salt=tenant_a) == 100
+        assert (await engine.retrieve(TOKENS, list(range(8, 15)), salt=tenant_b)).valid_tokens == 0
+        assert (
+            await engine.retrieve(TOKENS, list(range(8, 15)), salt=tenant_a)
+        ).valid_tokens == 100
         assert await engine.store(TOKENS, list(range(7))) == 100
         image = KeySalt.of((70, b"image"))
         assert await engine.lookup(TOKENS, salt=image) == 64
@@ -160,11 +162,13 @@ async def test_store_can_leave_out_a_prefix_and_prefetch_can_start_past_it() -> 
         assert handle.first_chunk == 2
         assert handle.ready_chunks() == [True, True]
         assert handle.ready_tokens() == 36
-        handle.cancel()
+        handle.close()
         whole = await engine.prefetch(TOKENS)
         assert whole.ready_chunks() == [] and whole.ready_tokens() == 0
-        whole.cancel()
-        assert await engine.retrieve(TOKENS, list(range(8, 15)), skip_prefix_tokens=64) == 100
+        whole.close()
+        assert (
+            await engine.retrieve(TOKENS, list(range(8, 15)), skip_prefix_tokens=64)
+        ).valid_tokens == 100
 
 
 async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:
@@ -252,7 +256,7 @@ async def test_lower_tier_failures_are_misses_not_errors() -> None:
         await engine.flush()
         await engine.evict_l1()
         assert await engine.lookup(TOKENS) == 100  # the index says present
-        assert await engine.retrieve(TOKENS, list(range(8, 15))) == 0
+        assert (await engine.retrieve(TOKENS, list(range(8, 15)))).valid_tokens == 0
         assert engine.stats()["storage"]["misses"] >= 1
         assert engine.stats()["arena"]["used"] == 0
 
@@ -276,7 +280,7 @@ async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None
         reference = caches.snapshot()
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        result = await engine.retrieve_detailed(TOKENS, dst)
+        result = await engine.retrieve(TOKENS, dst)
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         stats = engine.stats()
         assert stats["prefetch"]["stopped_budget"] >= 1  # lookup reserved only half of L1
@@ -304,7 +308,7 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        assert await engine.retrieve(TOKENS, dst) == 100
+        assert (await engine.retrieve(TOKENS, dst)).valid_tokens == 100
         expect_copy(caches, expected, reference, src, dst, range(100), 16)
         assert caches.bytes_equal(expected)
     # L1 holds less than a chunk: nothing can be delivered, and retrieve says so.
@@ -312,7 +316,7 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        result = await engine.retrieve_detailed(TOKENS, dst)
+        result = await engine.retrieve(TOKENS, dst)
         assert (result.valid_tokens, result.cached_tokens) == (0, 100)
         assert result.stop_reason == "no_space" and result.recompute_tokens == 100
         assert engine.stats()["storage"]["promotion_failures"] >= 1

@@ -47,7 +47,7 @@ async def test_retrieve_of_a_prefix_grown_since_lookup_extends_its_handle(tmp_pa
         reference = caches.snapshot()
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        result = await engine.retrieve_detailed(prompt, dst)
+        result = await engine.retrieve(prompt, dst)
         assert (result.valid_tokens, result.stop_reason) == (5 * CHUNK, "complete")
         expect_copy(caches, expected, reference, src, dst, range(5 * CHUNK), 16)
         assert caches.bytes_equal(expected)
@@ -77,6 +77,8 @@ async def test_a_hot_prefix_served_from_l1_survives_l2_eviction_and_a_restart(
         for turn in range(first, first + count):
             prompt = system + list(range(100_000 + turn * CHUNK, 100_000 + (turn + 1) * CHUNK))
             assert await engine.lookup(prompt) >= CHUNK  # the system prompt hits
+            # Served as a request is: its hit loaded (an L2 read refreshes the file's recency).
+            assert (await engine.retrieve(prompt, [0, 1, 2, 3, 4, 5, 6, 7])).valid_tokens >= CHUNK
             await engine.store(prompt, [0, 1, 2, 3, 4, 5, 6, 7])
             await engine.flush()
 
@@ -175,9 +177,9 @@ async def test_integer_block_ids_of_every_kind_are_accepted() -> None:
             [np.int64(i) for i in range(4)],
         )
         for ids in kinds:
-            assert await engine.retrieve(tokens, ids) in (0, CHUNK)
+            assert (await engine.retrieve(tokens, ids)).valid_tokens in (0, CHUNK)
         assert await engine.store(tokens, torch.arange(4)) == CHUNK
-        assert await engine.retrieve(tokens, np.arange(4, 8)) == CHUNK
+        assert (await engine.retrieve(tokens, np.arange(4, 8))).valid_tokens == CHUNK
 
 
 @pytest.mark.parametrize("skip", [64.0, None, "64", True, 1.5])

@@ -68,7 +68,7 @@ def test_a_script_that_never_closes_its_engine_keeps_its_writes(tmp_path: Path) 
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert engine.lookup(TOKENS) == len(TOKENS)
         poison_blocks(caches, DST)
-        assert engine.retrieve(TOKENS, DST) == len(TOKENS)
+        assert engine.retrieve(TOKENS, DST).valid_tokens == len(TOKENS)
         assert engine.stats()["l2"]["hits"] == 12
     for layer, physical in enumerate(caches.physical):
         assert torch.equal(

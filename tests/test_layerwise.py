@@ -228,7 +228,7 @@ async def test_layerwise_store_is_invisible_until_commit_and_round_trips() -> No
         reference = caches.snapshot()
         poison_blocks(caches, dst)
         expected = caches.snapshot()
-        assert await engine.retrieve(tokens, dst) == 72
+        assert (await engine.retrieve(tokens, dst)).valid_tokens == 72
         expect_copy(caches, expected, reference, src, dst, range(72), BLOCK)
         assert caches.bytes_equal(expected)
         again = await engine.store_layerwise(tokens, src)
@@ -335,7 +335,7 @@ async def test_a_layerwise_retrieve_of_loading_chunks_copies_each_batch_as_it_ar
     dst = [2 * blocks + 1 - i for i in range(blocks)]
     tokens = _tokens(num_tokens)
     mover = RecordingMover()
-    config = _config(tmp_path, retrieve_batch_chunks=3, prefetch=False)
+    config = _config(tmp_path, retrieve_batch_chunks=3)
     async with TieredKVEngine(config, mover=mover) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.store(tokens, src) == num_tokens

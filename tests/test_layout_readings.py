@@ -247,7 +247,7 @@ def round_trip_or_refusal(case: Case, data: st.DataObject, mover: KVMover | None
             assert engine.lookup(tokens) == usable
             poison(case, dst)
             poisoned = snapshot(case)
-            assert engine.retrieve(tokens, dst, skip_prefix_tokens=skip) == usable
+            assert engine.retrieve(tokens, dst, skip_prefix_tokens=skip).valid_tokens == usable
             if case.layers[0].tensors[0].is_cuda:
                 torch.cuda.synchronize()
     # Whole allocations compared: the copied slots, the poison left in every other destination
@@ -284,7 +284,7 @@ def test_vllm_hnd_view_with_hnd_hint_round_trips(heads: int, device: str) -> Non
         for p in physical:
             p[:, 5:8] = 0
         reference = [p.clone() for p in physical]
-        assert engine.retrieve(tokens, [5, 6, 7]) == 40
+        assert engine.retrieve(tokens, [5, 6, 7]).valid_tokens == 40
         _sync(device)
     for p, ref in zip(physical, reference, strict=True):
         for src, dst in ((0, 5), (1, 6)):
@@ -317,7 +317,7 @@ def test_whole_block_caches_round_trip_and_refuse_partial_blocks(device: str) ->
         reference = [c.clone() for c in caches]
         with pytest.raises(LayoutError, match="whole number of blocks"):
             engine.retrieve(tokens, [5, 6, 7, 8, 9], skip_prefix_tokens=8)
-        assert engine.retrieve(tokens, [5, 6, 7, 8, 9], skip_prefix_tokens=16) == 64
+        assert engine.retrieve(tokens, [5, 6, 7, 8, 9], skip_prefix_tokens=16).valid_tokens == 64
         _sync(device)
         for c, ref in zip(caches, reference, strict=True):
             assert torch.equal(c[6:9], c[1:4])

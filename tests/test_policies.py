@@ -56,7 +56,7 @@ async def test_best_effort_uses_only_what_is_ready_and_reports_the_rest(
     async with TieredKVEngine(_config(prefetch_policy="best_effort"), lower_tiers=[tier]) as e:
         await _populate(e, caches, tier)
         assert await e.lookup(TOKENS) == 100
-        result = await e.retrieve_detailed(TOKENS, DST)
+        result = await e.retrieve(TOKENS, DST)
         assert (result.valid_tokens, result.cached_tokens) == (0, 100)
         assert result.stop_reason == "late" and result.late_chunks == (0, 1, 2, 3)
         assert result.policy == "best_effort" and result.waited_s == 0.0
@@ -65,7 +65,7 @@ async def test_best_effort_uses_only_what_is_ready_and_reports_the_rest(
         # The reads already under way were kept: they land in L1 for the next request.
         await asyncio.sleep(0.4)
         assert e.stats()["l1"]["entries"] == 4
-        assert await e.retrieve(TOKENS, DST) == 100
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
         await _no_leak(e)
 
 
@@ -79,7 +79,7 @@ async def test_best_effort_delivers_the_ready_part_of_the_prefix(caches: KVCache
         poison_blocks(caches, DST)
         expected = caches.snapshot()
         assert await e.lookup(TOKENS) == 100
-        result = await e.retrieve_detailed(TOKENS, DST, policy="best_effort")
+        result = await e.retrieve(TOKENS, DST, policy="best_effort")
         assert (result.valid_tokens, result.stop_reason, result.late_chunks) == (
             64,
             "late",
@@ -96,7 +96,7 @@ async def test_wait_complete_waits_for_every_load(caches: KVCaches) -> None:
     async with TieredKVEngine(_config(prefetch_concurrency=1), lower_tiers=[tier]) as e:
         await _populate(e, caches, tier)
         assert await e.lookup(TOKENS) == 100
-        result = await e.retrieve_detailed(TOKENS, DST, policy="wait_complete")
+        result = await e.retrieve(TOKENS, DST, policy="wait_complete")
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         assert result.waited_s > 0 and result.recompute_tokens == 0
         assert tier.max_active == 1  # concurrency is bounded per tier
@@ -117,7 +117,7 @@ async def test_timeout_waits_up_to_its_budget_then_reports_late_chunks(
     async with TieredKVEngine(config, lower_tiers=[tier]) as e:
         await _populate(e, caches, tier)
         assert await e.lookup(TOKENS) == 100
-        result = await e.retrieve_detailed(TOKENS, DST)
+        result = await e.retrieve(TOKENS, DST)
         assert (result.valid_tokens, result.stop_reason) == (64, "late")
         assert result.late_chunks == (2, 3) and result.cached_tokens == 100
         await asyncio.sleep(0.5)
@@ -134,7 +134,7 @@ async def test_timeout_budget_grows_per_1k_tokens_still_loading(caches: KVCaches
     async with TieredKVEngine(config, lower_tiers=[tier]) as e:
         await _populate(e, caches, tier)
         assert await e.lookup(TOKENS) == 100
-        result = await e.retrieve_detailed(TOKENS, DST)
+        result = await e.retrieve(TOKENS, DST)
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         await _no_leak(e)
 
@@ -179,7 +179,7 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
         reference = caches.snapshot()
         poison_blocks(caches, DST)
         expected = caches.snapshot()
-        assert await e.retrieve(TOKENS, DST) == 100
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
         expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
         assert caches.bytes_equal(expected)
         tier.gate.set()
@@ -190,7 +190,7 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
         await e.evict_l1()  # clean now: evicting queues nothing more
         assert e.stats()["storage"]["l2_write_demoted"] == 4
         await _no_leak(e)
-        assert await e.retrieve(TOKENS, DST) == 100  # from the tier now
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100  # from the tier now
 
 
 async def test_write_back_with_a_full_queue_refuses_eviction_instead_of_dropping(
@@ -230,7 +230,7 @@ async def test_write_back_demotes_dirty_chunks_at_close(tmp_path: Path, caches: 
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert e.stats()["l2"]["entries"] == 4
         assert await e.lookup(TOKENS) == 100
-        assert await e.retrieve(TOKENS, DST) == 100
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
 
 
 async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
@@ -241,17 +241,19 @@ async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
         await e.store(TOKENS, SRC)
         await e.flush()
         assert tier.stats().entries == 0
-        assert await e.retrieve(TOKENS[:64], DST) == 64  # chunks 0, 1: one hit each
+        assert (await e.retrieve(TOKENS[:64], DST)).valid_tokens == 64  # chunks 0, 1: one hit each
         await e.flush()
         assert tier.stats().entries == 0
-        assert await e.retrieve(TOKENS, DST) == 100  # 0, 1: second hit; 2, 3: first
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100  # 0, 1: second hit; 2, 3: first
         await e.flush()
         assert tier.stats().entries == 2
         assert e.stats()["storage"]["l2_write_admitted"] == 2
-        assert await e.retrieve(TOKENS, DST) == 100
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
         await e.flush()
         assert tier.stats().entries == 4
-        assert await e.retrieve(TOKENS, DST) == 100  # already there: not written again
+        assert (
+            await e.retrieve(TOKENS, DST)
+        ).valid_tokens == 100  # already there: not written again
         await e.flush()
         stats = e.stats()["storage"]
         assert (stats["l2_write_admitted"], stats["l2_write_done"], tier.puts) == (4, 4, 4)
@@ -273,7 +275,7 @@ async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCac
         await e.flush()
         assert (l2.puts, l3.puts) == (4, 4)
         # Promoted back into L1 and committed again: neither tier is written twice.
-        assert await e.retrieve(TOKENS, DST) == 100
+        assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
         assert await e.store(TOKENS, SRC) == 0  # (a re-commit: test_control_plane.py)
         await e.evict_l1()
         await e.flush()
@@ -314,7 +316,6 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
         ("prefetch_l1_fraction", 1.5, "prefetch_l1_fraction"),
         ("prefetch_timeout_base_s", -1.0, "prefetch_timeout_base_s"),
         ("retrieve_batch_chunks", 0, "retrieve_batch_chunks"),
-        ("prefetch", "yes", "prefetch"),
     ],
 )
 def test_policy_config_is_validated(field: str, value: object, message: str) -> None:
@@ -325,7 +326,6 @@ def test_policy_config_is_validated(field: str, value: object, message: str) -> 
 def test_policy_config_from_env() -> None:
     config = EngineConfig.from_env(
         {
-            "TIERED_KV_PREFETCH": "off",
             "TIERED_KV_PREFETCH_POLICY": "timeout",
             "TIERED_KV_PREFETCH_TIMEOUT_BASE_S": "0.02",
             "TIERED_KV_PREFETCH_TIMEOUT_PER_1K_TOKENS_S": "0.004",
@@ -338,7 +338,7 @@ def test_policy_config_from_env() -> None:
             "TIERED_KV_SELECTIVE_MIN_HITS": "5",
         }
     )
-    assert config.prefetch is False and config.prefetch_policy == "timeout"
+    assert config.prefetch_policy == "timeout"
     assert (config.prefetch_timeout_base_s, config.prefetch_timeout_per_1k_tokens_s) == (
         0.02,
         0.004,
@@ -370,13 +370,15 @@ async def test_prefetch_takes_each_tier_s_own_parallelism_unless_the_config_sets
             assert engine.stats()["prefetch"]["read_slots_l2"] == expected
 
 
-async def test_prefetch_off_means_lookup_loads_nothing(caches: KVCaches) -> None:
+async def test_lookup_loads_nothing_and_retrieve_loads_what_it_needs(caches: KVCaches) -> None:
     tier = FaultyTier(MemoryTier())
-    async with TieredKVEngine(_config(prefetch=False), lower_tiers=[tier]) as e:
+    async with TieredKVEngine(_config(), lower_tiers=[tier]) as e:
         await _populate(e, caches, tier)
         assert await e.lookup(TOKENS) == 100
         assert e.stats()["prefetch"]["loads_started"] == 0
-        assert await e.retrieve(TOKENS, DST) == 100  # wait_complete loads at retrieve
+        assert (
+            await e.retrieve(TOKENS, DST)
+        ).valid_tokens == 100  # wait_complete loads at retrieve
         await _no_leak(e)
 
 

@@ -1,5 +1,6 @@
-"""Prefetch: lookup loads lower-tier chunks ahead of retrieve, dedup, gaps, L1 pressure, handles,
-and cancellation at every await point leaving no reservation behind."""
+"""Prefetch: a caller-owned handle loads lower-tier chunks ahead of the retrieve it is given to;
+dedup, gaps, L1 pressure, handle ownership, and cancellation at every await point leaving no
+reservation behind. `lookup` loads nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, SyncTieredKVEngine, TieredKVEngine
+from tiered_kv.errors import ConfigError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout
@@ -71,18 +73,20 @@ async def setup(caches: KVCaches) -> AsyncIterator[tuple[TieredKVEngine, FaultyT
     assert engine.leaked_on_close == 0
 
 
-async def test_lookup_prefetch_hides_the_latency_when_lead_time_allows(
+async def test_a_prefetch_hides_the_latency_when_lead_time_allows(
     setup: tuple[TieredKVEngine, FaultyTier], caches: KVCaches
 ) -> None:
     engine, tier = setup
     reference = caches.snapshot()
     poison_blocks(caches, DST)
     expected = caches.snapshot()
-    assert await engine.lookup(TOKENS) == 100
+    handle = await engine.prefetch(TOKENS)
+    assert handle.hit_tokens == 100
     assert engine.stats()["prefetch"]["loads_started"] == 4
-    await asyncio.sleep(0.3)  # lead time: the scheduler's gap between lookup and retrieve
-    result = await engine.retrieve_detailed(TOKENS, DST)
+    await asyncio.sleep(0.3)  # lead time: the scheduler's gap between prefetch and retrieve
+    result = await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert (result.valid_tokens, result.stop_reason) == (100, "complete")
+    assert handle.closed  # the retrieve it was given to ended it
     assert result.waited_s == 0.0
     stats = engine.stats()["prefetch"]
     assert (stats["ready_in_time"], stats["ready_after_wait"]) == (4, 0)
@@ -96,14 +100,14 @@ async def test_without_lead_time_retrieve_waits_for_the_same_loads(
     setup: tuple[TieredKVEngine, FaultyTier],
 ) -> None:
     engine, tier = setup
-    assert await engine.lookup(TOKENS) == 100
-    result = await engine.retrieve_detailed(TOKENS, DST)  # wait_complete by default
+    handle = await engine.prefetch(TOKENS)
+    result = await engine.retrieve(TOKENS, DST, prefetch=handle)  # wait_complete by default
     assert result.valid_tokens == 100 and result.waited_s > 0
     stats = engine.stats()["prefetch"]
     assert (
         stats["ready_after_wait"] >= 1 and stats["ready_in_time"] + stats["ready_after_wait"] == 4
     )
-    assert tier.calls["get"] == 4  # retrieve consumed lookup's loads, it did not start its own
+    assert tier.calls["get"] == 4  # retrieve used the handle's loads, it did not start its own
     await _settle(engine)
 
 
@@ -115,19 +119,19 @@ async def test_concurrent_prefetches_of_one_prefix_share_their_loads(
     first = await engine.prefetch(TOKENS)
     second = await engine.prefetch(TOKENS)
     other = await engine.prefetch(TOKENS[:64] + list(range(5000, 5040)))  # shares 2 chunks
-    assert await engine.lookup(TOKENS) == 100
+    assert await engine.lookup(TOKENS) == 100  # loads nothing
     stats = engine.stats()["prefetch"]
     assert stats["loads_started"] == 4
-    assert stats["loads_deduplicated"] == 4 + 2 + 4
+    assert stats["loads_deduplicated"] == 4 + 2
     assert not first.done() and first.ready_tokens() == 0
     tier.gate.set()
     assert await first == 100
     assert await second.wait() == 100 and second.done()
     assert await other == 64  # the prefix of `other` in the cache ends after two chunks
     assert tier.calls["get"] == 4
-    assert await engine.retrieve(TOKENS, DST) == 100
+    assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 100
     for handle in (first, second, other):
-        handle.cancel()
+        handle.close()
     await _settle(engine)
 
 
@@ -138,8 +142,10 @@ async def test_a_gap_ends_the_prefix_and_nothing_past_it_is_loaded(
     keys = engine.chunk_keys(TOKENS)
     assert await tier.remove(keys[1])
     assert await engine.lookup(TOKENS) == 32
+    handle = await engine.prefetch(TOKENS)
+    assert handle.hit_tokens == 32
     assert engine.stats()["prefetch"]["loads_started"] == 1
-    result = await engine.retrieve_detailed(TOKENS, DST)
+    result = await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert (result.valid_tokens, result.cached_tokens, result.stop_reason) == (32, 32, "gap")
     assert tier.calls["get"] == 1
     await _settle(engine)
@@ -165,7 +171,7 @@ async def test_a_failed_load_ends_the_delivered_prefix_and_is_reported(
         await _populate(engine, tier)
         tier.get_failure_rate = 0.5
         assert await engine.lookup(TOKENS) == 100
-        result = await engine.retrieve_detailed(TOKENS, DST)
+        result = await engine.retrieve(TOKENS, DST)
         assert result.valid_tokens == 32
         assert (result.stop_reason, result.failed_chunks) == ("failed", (1,))
         assert result.cached_tokens == 100 and result.recompute_tokens == 68
@@ -199,9 +205,9 @@ async def test_prefetch_stops_under_l1_pressure_and_never_evicts_referenced_chun
         # Everything the handle does not hold may be evicted; what it holds never is.
         other = await engine.prefetch(TOKENS)
         assert other.reserved_chunks() == 0  # the budget is spent: stop rather than thrash
-        other.cancel()
-        assert await engine.retrieve(TOKENS, DST) == 100
-        handle.cancel()
+        other.close()
+        assert (await engine.retrieve(TOKENS, DST, prefetch=handle)).valid_tokens == 100
+        assert handle.closed
         await _settle(engine)
     assert engine.leaked_on_close == 0
 
@@ -218,79 +224,92 @@ async def test_each_registration_prefetches_with_its_own_layout() -> None:
         await engine.store(TOKENS, SRC, model_name="b")
         await engine.flush()
         await engine.evict_l1()
-        assert await engine.lookup(TOKENS, model_name="a") == 100
-        assert await engine.lookup(TOKENS, model_name="b") == 100
+        handles = {model: await engine.prefetch(TOKENS, model_name=model) for model in "ab"}
         assert engine.stats()["prefetch"]["loads_started"] == 8
         for caches, model in ((bf16, "a"), (mla, "b")):
             reference = caches.snapshot()
             poison_blocks(caches, DST)
             expected = caches.snapshot()
-            assert await engine.retrieve(TOKENS, DST, model_name=model) == 100
+            result = await engine.retrieve(TOKENS, DST, model_name=model, prefetch=handles[model])
+            assert result.valid_tokens == 100
             expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
             assert caches.bytes_equal(expected)
         await _settle(engine)
 
 
-async def test_repeated_lookups_of_a_waiting_request_reuse_one_prefetch(
+async def test_lookup_loads_nothing_and_holds_nothing(
     setup: tuple[TieredKVEngine, FaultyTier],
 ) -> None:
-    engine, _ = setup
+    engine, tier = setup
     for _ in range(5):
         assert await engine.lookup(TOKENS) == 100
     stats = engine.stats()
-    assert stats["prefetch"]["loads_started"] == 4
-    assert stats["engine"]["implicit_prefetches"] == 1
-    assert await engine.retrieve(TOKENS, DST) == 100
+    assert stats["prefetch"]["loads_started"] == 0 and stats["prefetch"]["live_handles"] == 0
+    assert tier.calls["get"] == 0 and stats["arena"]["used"] == 0
+    assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 100  # retrieve loads itself
+    assert tier.calls["get"] == 4
     await _settle(engine)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
-async def test_a_retrieve_that_skips_every_chunk_releases_the_lookups_prefetch(
+async def test_a_retrieve_that_skips_every_chunk_closes_the_prefetch_it_is_given(
     setup: tuple[TieredKVEngine, FaultyTier], layerwise: bool
 ) -> None:
     """The engine's own prefix cache held the whole prompt: the retrieve copies nothing, but
-    the prefetch its lookup started is the request's and must end with it (it used to stay
-    pending, its chunks pinned in L1, until a later lookup of the same prompt or the close:
-    the soak test saw it as host bytes still referenced)."""
+    the prefetch handed to it ends with it (its chunks would stay pinned in L1 otherwise)."""
     engine, _ = setup
     prompt = TOKENS[:96]  # three whole chunks
-    assert await engine.lookup(prompt) == 96
+    handle = await engine.prefetch(prompt)
     assert engine.stats()["prefetch"]["live_handles"] == 1
     if layerwise:
-        load = await engine.retrieve_layerwise(prompt, DST, skip_prefix_tokens=96)
+        load = await engine.retrieve_layerwise(prompt, DST, skip_prefix_tokens=96, prefetch=handle)
         assert load.result.valid_tokens == 96
         await load.wait()
     else:
-        assert await engine.retrieve(prompt, DST, skip_prefix_tokens=96) == 96
-    assert engine.stats()["prefetch"]["live_handles"] == 0
+        result = await engine.retrieve(prompt, DST, skip_prefix_tokens=96, prefetch=handle)
+        assert result.valid_tokens == 96
+    assert engine.stats()["prefetch"]["live_handles"] == 0 and handle.closed
     await _settle(engine)
 
 
-async def test_lookups_never_retrieved_are_bounded(caches: KVCaches) -> None:
-    tier = FaultyTier(MemoryTier(), get_delay_s=0.05)
-    config = _config(prefetch_max_pending=2)
-    async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        prompts = [list(range(base, base + 64)) for base in (0, 10_000, 20_000, 30_000)]
-        for prompt in prompts:
-            await _populate(engine, tier, prompt)
-        for prompt in prompts:
-            assert await engine.lookup(prompt) == 64
-        stats = engine.stats()
-        assert stats["engine"]["implicit_prefetches_abandoned"] == 2
-        assert stats["prefetch"]["cancelled"] == 4
-        assert stats["prefetch"]["live_handles"] == 2
-        await _settle_after_cancel(engine)
+async def test_a_handle_ends_with_its_async_with_block(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    engine, tier = setup
+    tier.gate = asyncio.Event()
+    async with await engine.prefetch(TOKENS) as handle:
+        assert handle.reserved_chunks() == 4 and not handle.closed
+    assert handle.closed
+    assert engine.stats()["prefetch"]["cancelled"] == 4  # nobody else wanted the loads
+    handle.close()  # idempotent
+    tier.gate.set()
+    await _settle(engine)
 
 
-async def _settle_after_cancel(engine: TieredKVEngine) -> None:
-    for _ in range(200):
-        if engine.stats()["prefetch"]["in_flight"] == 0:
-            break
-        await asyncio.sleep(0.005)
+async def test_a_handle_for_other_tokens_is_refused_by_retrieve(
+    setup: tuple[TieredKVEngine, FaultyTier], caches: KVCaches
+) -> None:
+    """Another prompt's loads would be another prompt's KV: refused, nothing copied, and the
+    handle's loads released; a handle for a prompt the retrieve's tokens extend is used."""
+    engine, _ = setup
+    other = [*TOKENS[:32], *range(7000, 7068)]  # shares chunk 0 only
+    await engine.store(other, SRC)
+    await engine.flush()
+    await engine.evict_l1()
+    before = caches.snapshot()
+    handle = await engine.prefetch(other)
+    with pytest.raises(LayoutError, match="covers chunk 1 of other tokens"):
+        await engine.retrieve(TOKENS, DST, prefetch=handle)
+    assert caches.bytes_equal(before)
+    assert engine.stats()["prefetch"]["live_handles"] == 0
+    with pytest.raises(ConfigError, match="must be a PrefetchHandle"):
+        await engine.retrieve(TOKENS, DST, prefetch=object())  # type: ignore[arg-type]
+    shorter = await engine.prefetch(TOKENS[:64])
+    assert (await engine.retrieve(TOKENS, DST, prefetch=shorter)).valid_tokens == 100
+    await _settle(engine)
 
 
-async def test_handle_dropped_without_cancel_frees_its_reservations(
+async def test_a_handle_dropped_unclosed_is_freed_and_counted_as_leaked(
     setup: tuple[TieredKVEngine, FaultyTier],
 ) -> None:
     engine, tier = setup
@@ -301,7 +320,8 @@ async def test_handle_dropped_without_cancel_frees_its_reservations(
     gc.collect()
     await asyncio.sleep(0)  # the finalizer hops to the loop
     await asyncio.sleep(0)
-    assert engine.stats()["prefetch"]["cancelled"] == 4
+    stats = engine.stats()["prefetch"]
+    assert stats["cancelled"] == 4 and stats["handles_leaked"] == 1
     tier.gate.set()
     await _settle(engine)
 
@@ -314,12 +334,11 @@ async def test_close_with_live_handles_and_loads_frees_everything(caches: KVCach
         await _populate(engine, tier)
         tier.gate = asyncio.Event()
         handle = await engine.prefetch(TOKENS)
-        assert await engine.lookup(TOKENS) == 100
         await asyncio.sleep(0.01)
-    assert handle.released and engine.leaked_on_close == 0
+    assert handle.closed and engine.leaked_on_close == 0
 
 
-# Await points of a prefetch + retrieve, reached in turn as the loop advances: the lookup's
+# Await points of a prefetch + retrieve, reached in turn as the loop advances: the prefetch's
 # batched contains_many, the load's delay, the tier slot, the read, retrieve's wait for a load,
 # the mover's scatter, the release. Cancelling after every number of loop turns hits each one.
 @pytest.mark.parametrize("turns", [0, 1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 25, 40])
@@ -335,14 +354,10 @@ async def test_cancellation_at_every_await_point_leaves_no_reservation(
         await _populate(engine, tier)
 
         async def request() -> int:
-            if target == "handle":
-                handle = await engine.prefetch(TOKENS)
-                try:
+            async with await engine.prefetch(TOKENS) as handle:
+                if target == "handle":
                     return await handle
-                finally:
-                    handle.cancel()
-            await engine.lookup(TOKENS)
-            return await engine.retrieve(TOKENS, DST)
+                return (await engine.retrieve(TOKENS, DST, prefetch=handle)).valid_tokens
 
         if gated:  # every read blocks inside the tier until the request is cancelled
             tier.gate = asyncio.Event()
@@ -357,7 +372,7 @@ async def test_cancellation_at_every_await_point_leaves_no_reservation(
         await _settle(engine)
         # Whatever was cancelled, the cache still serves the prefix afterwards.
         assert await engine.lookup(TOKENS) == 100
-        assert await engine.retrieve(TOKENS, DST) == 100
+        assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 100
         await _settle(engine)
     assert engine.leaked_on_close == 0
 
@@ -378,12 +393,13 @@ def test_blocking_facade_prefetch_handle_with_the_real_l2(tmp_path: Path) -> Non
         reference = caches.snapshot()
         poison_blocks(caches, DST)
         expected = caches.snapshot()
-        result = engine.retrieve_detailed(TOKENS, DST)
+        result = engine.retrieve(TOKENS, DST, prefetch=handle)
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
         assert caches.bytes_equal(expected)
-        handle.cancel()
-        handle.cancel()  # idempotent
+        handle.close()  # closed by the retrieve already: idempotent
+        with engine.prefetch(TOKENS) as scoped:
+            assert scoped.wait(timeout=10) == 100
         engine.evict_l1()
         assert engine.stats()["arena"]["used"] == 0
         pending = engine.prefetch(TOKENS)  # left to close
@@ -426,7 +442,7 @@ async def test_a_prefix_that_leaves_l1_while_retrieved_is_loaded_from_below(
         expected = caches.snapshot()
         handles = engine.stats()["prefetch"]["handles"]
         mover.engine = engine
-        result = await engine.retrieve_detailed(TOKENS, DST)  # no lookup: no prefetch of its own
+        result = await engine.retrieve(TOKENS, DST)  # no lookup: no prefetch of its own
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         assert tier.calls["get"] == 3  # chunks 1-3, evicted after chunk 0's scatter
         assert engine.stats()["prefetch"]["handles"] == handles + 1  # opened by the walk
@@ -436,41 +452,35 @@ async def test_a_prefix_that_leaves_l1_while_retrieved_is_loaded_from_below(
     assert engine.leaked_on_close == 0
 
 
-async def test_a_retrieve_of_the_claimed_tokens_consumes_the_lookups_prefetch(
+async def test_a_retrieve_of_the_claimed_tokens_uses_the_whole_prompts_prefetch(
     setup: tuple[TieredKVEngine, FaultyTier],
 ) -> None:
-    """A serving engine retrieves what lookup claimed, not the whole prompt: the prefetch the
-    lookup started is found under the claim's last chunk (it used to be keyed by the prompt's
-    last chunk only, so a retrieve of the claim started its own loads and left the lookup's
-    prefetch pending, its chunks pinned in L1)."""
+    """A serving engine retrieves what lookup claimed, not the whole prompt: a prefetch of the
+    whole prompt given to that retrieve is used and ended by it."""
     engine, _ = setup
     prompt = [*TOKENS[:96], *range(90_000, 90_016)]  # three cached chunks, then 16 new tokens
     assert await engine.lookup(prompt) == 96
+    handle = await engine.prefetch(prompt)
     assert engine.stats()["prefetch"]["live_handles"] == 1
-    assert await engine.retrieve(prompt[:96], DST) == 96
+    assert (await engine.retrieve(prompt[:96], DST, prefetch=handle)).valid_tokens == 96
     stats = engine.stats()
     assert stats["prefetch"]["live_handles"] == 0
-    assert stats["prefetch"]["loads_started"] == 3  # the lookup's loads only
-    await _settle(engine)
-    # The whole prompt's retrieve finds it too.
-    assert await engine.lookup(prompt) == 96
-    assert await engine.retrieve(prompt, DST) == 96
-    assert engine.stats()["prefetch"]["live_handles"] == 0
+    assert stats["prefetch"]["loads_started"] == 3  # the handle's loads only
     await _settle(engine)
 
 
-async def test_a_repeated_lookup_does_not_reuse_a_prefetch_whose_loads_failed(
+async def test_a_prefetch_whose_loads_failed_reports_them_and_the_next_retrieve_loads_again(
     setup: tuple[TieredKVEngine, FaultyTier],
 ) -> None:
-    """The tier failed every read of the first lookup's prefetch: the next lookup of the same
-    prompt starts loads again instead of handing the retrieve the failed ones."""
+    """The tier failed every read of a prefetch: the retrieve given it says so (nothing
+    delivered, "failed"), and a later retrieve reads the chunks again."""
     engine, tier = setup
     tier.get_failure_rate = 1.0
-    assert await engine.lookup(TOKENS) == 100
-    await _settle_after_cancel(engine)
-    started = engine.stats()["prefetch"]["loads_started"]
+    handle = await engine.prefetch(TOKENS)
+    await handle.wait()
+    assert handle.failed_loads()
     tier.get_failure_rate = 0.0
-    assert await engine.lookup(TOKENS) == 100
-    assert engine.stats()["prefetch"]["loads_started"] == started + 4
-    assert await engine.retrieve(TOKENS, DST) == 100
+    result = await engine.retrieve(TOKENS, DST, prefetch=handle)
+    assert (result.valid_tokens, result.stop_reason) == (0, "failed")
+    assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 100
     await _settle(engine)

@@ -60,7 +60,7 @@ async def test_store_evict_retrieve_bit_exact(
         for skip in (0, 16, 40, num_tokens):
             poison_blocks(caches, dst_blocks)
             expected = caches.snapshot()
-            got = await engine.retrieve(tokens, dst_blocks, skip_prefix_tokens=skip)
+            got = (await engine.retrieve(tokens, dst_blocks, skip_prefix_tokens=skip)).valid_tokens
             assert got == num_tokens
             expect_copy(
                 caches,
@@ -100,7 +100,7 @@ async def test_heterogeneous_groups_incl_132_byte_int8_rows(tmp_path: Path) -> N
         poison_blocks(attn, dst)
         poison_blocks(indexer, dst)
         exp_a, exp_i = attn.snapshot(), indexer.snapshot()
-        assert await engine.retrieve(tokens, dst, skip_prefix_tokens=5) == 70
+        assert (await engine.retrieve(tokens, dst, skip_prefix_tokens=5)).valid_tokens == 70
         expect_copy(attn, exp_a, ref_a, src, dst, range(5, 70), 16)
         expect_copy(indexer, exp_i, ref_i, src, dst, range(5, 70), 16)
         assert attn.bytes_equal(exp_a)
@@ -121,7 +121,7 @@ async def test_restart_recovers_from_l2(tmp_path: Path) -> None:
     async with TieredKVEngine(_config(tmp_path)) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 100
-        assert await engine.retrieve(tokens, dst) == 100
+        assert (await engine.retrieve(tokens, dst)).valid_tokens == 100
         assert engine.stats()["storage"]["hits_l2"] == 4
     expect_copy(caches, expected, reference, src, dst, range(100), 16)
     assert caches.bytes_equal(expected)
@@ -147,7 +147,7 @@ async def test_corrupt_l2_file_is_a_miss_never_wrong_data(tmp_path: Path) -> Non
         poison_blocks(caches, dst)
         before = caches.snapshot()
         reference = caches.snapshot()
-        got = await engine.retrieve(tokens, dst)
+        got = (await engine.retrieve(tokens, dst)).valid_tokens
         assert got == CHUNK  # only the first chunk: the corrupt second ends the prefix
         assert not second.exists()  # quarantined
         assert engine.stats()["l2"]["corrupt_removed"] == 1

@@ -12,21 +12,37 @@ from tiered_kv.errors import (
 )
 from tiered_kv.keys import KeySalt
 from tiered_kv.layerwise_store import LayerwiseStore
+from tiered_kv.layout import MemoryLayoutDesc
+from tiered_kv.metrics import EngineStats
+from tiered_kv.prefetch import PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
-from tiered_kv.sync import SyncTieredKVEngine
+from tiered_kv.sync import (
+    SyncLayerwiseRetrieve,
+    SyncLayerwiseStore,
+    SyncPrefetchHandle,
+    SyncTieredKVEngine,
+)
+from tiered_kv.tiers.base import TierEventLog
 
 __all__ = [
     "CodecError",
     "ConfigError",
     "EngineConfig",
     "EngineStateError",
+    "EngineStats",
     "KernelCompileError",
     "KeySalt",
     "LayerwiseRetrieve",
     "LayerwiseStore",
     "LayoutError",
+    "MemoryLayoutDesc",
+    "PrefetchHandle",
     "RetrieveResult",
+    "SyncLayerwiseRetrieve",
+    "SyncLayerwiseStore",
+    "SyncPrefetchHandle",
     "SyncTieredKVEngine",
+    "TierEventLog",
     "TieredKVEngine",
     "TieredKVError",
 ]

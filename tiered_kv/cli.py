@@ -143,7 +143,7 @@ async def _serve_turn(
     hit = await engine.lookup(prompt)
     blocks = model.allocate_blocks(len(prompt), rng)
     try:
-        valid = await engine.retrieve(prompt, blocks)
+        valid = (await engine.retrieve(prompt, blocks)).valid_tokens
         if valid < hit:
             # Not an error: a chunk could not be loaded in time or into L1 (retrieve releases
             # each scattered batch, so this needs L1 nearly full of referenced chunks); the

@@ -120,7 +120,6 @@ class EngineConfig:
         lower-tier writes (L2, L3, custom tiers) before cancelling and dropping them.
     pin_memory: pin the arena; None means "when CUDA is available".
     l2_fsync: fsync each L2 file and its directory before it becomes visible (crash safety).
-    prefetch: lookup starts loading the L2/L3 part of the hit prefix into L1 (a prefetch).
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
         in L1 now), "wait_complete" (wait for every load), "timeout" (wait at most
         ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_1k_tokens_s`` per 1000 tokens
@@ -130,8 +129,8 @@ class EngineConfig:
     l2_io_threads: L2's blocking I/O threads (reads and writes in parallel, each straight into
         or out of its L1 object); None sizes them from the machine (one per core, 4 to 16).
     prefetch_l1_fraction: share of L1 that prefetch reservations may hold, in (0, 1].
-    prefetch_max_pending: prefetches started by lookup and not yet consumed by retrieve; beyond
-        it the oldest is cancelled (a lookup whose request never reaches retrieve).
+    prefetch_max_pending: a serving stack's lookups whose prefetch is held until the request
+        loads (`EngineHost`); beyond it the oldest is cancelled (a request that never loads).
     retrieve_batch_chunks: chunks per scatter in retrieve; each batch's L1 references are
         dropped before the next loads, so a prefix larger than L1 can still be delivered.
     write_policy: how every lower tier is written unless ``write_policies`` names it:
@@ -165,7 +164,6 @@ class EngineConfig:
     close_timeout_s: float = 30.0
     pin_memory: bool | None = None
     l2_fsync: bool = True
-    prefetch: bool = True
     prefetch_policy: str = "wait_complete"
     prefetch_timeout_base_s: float = 0.005
     prefetch_timeout_per_1k_tokens_s: float = 0.002
@@ -258,8 +256,6 @@ class EngineConfig:
             raise ConfigError(f"prefetch_l1_fraction: must be in (0, 1], got {fraction}")
         if self.layerwise is not None and not isinstance(self.layerwise, bool):
             raise ConfigError(f"layerwise: expected true, false or None, got {self.layerwise!r}")
-        if not isinstance(self.prefetch, bool):
-            raise ConfigError(f"prefetch: expected bool, got {self.prefetch!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(
                 f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}"
@@ -536,7 +532,7 @@ def _from_env_string(name: str, raw: str) -> Any:
             return float(raw)
         except ValueError:
             raise ConfigError(f"TIERED_KV_{name.upper()}: expected a number, got {raw!r}") from None
-    if name in ("pin_memory", "l2_fsync", "prefetch", "layerwise"):
+    if name in ("pin_memory", "l2_fsync", "layerwise"):
         lowered = raw.strip().lower()
         if lowered in ("", "auto") and name in ("pin_memory", "layerwise"):
             return None

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import logging
 import operator
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -31,9 +30,8 @@ from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
 from tiered_kv.memory import HostArena
 from tiered_kv.metrics import EngineCounters
-from tiered_kv.prefetch import PrefetchController, PrefetchHandle
-from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest
-from tiered_kv.retrieval import RetrieveResult as RetrieveResult  # re-exported: public here too
+from tiered_kv.prefetch import PrefetchClaims, PrefetchController, PrefetchHandle, claims_of
+from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest, RetrieveResult
 from tiered_kv.storage import StorageManager
 from tiered_kv.tiers import factory as tier_factory
 from tiered_kv.tiers.base import LowerTier, TierEventLog
@@ -108,8 +106,6 @@ class TieredKVEngine:
         self._arena: HostArena | None = None
         self._storage: StorageManager | None = None
         self._prefetch: PrefetchController | None = None
-        # Prefetches started by lookup, consumed by the retrieve of the same tokens.
-        self._implicit: OrderedDict[tuple[str, ChunkKey], PrefetchHandle] = OrderedDict()
         self._probes: set[asyncio.Task[None]] = set()  # reads of declined tiers' chunks
         # The keys of recent token sequences: a request's lookup and retrieve hash them once.
         self._keys = KeyMemo()
@@ -224,7 +220,6 @@ class TieredKVEngine:
         self._storage = self._mover = None
         self._retriever = None
         try:
-            self._implicit.clear()
             for probe in list(self._probes):
                 probe.cancel()
             if self._probes:
@@ -446,8 +441,11 @@ class TieredKVEngine:
         (``load_policy="cost"``) to the part whose expected load time beats recomputing it.
         ``load_policy`` overrides ``config.load_policy`` for this call ("cost" or "always").
 
-        With ``config.prefetch`` the chunks of that prefix found only in lower tiers start
-        loading into L1 now; the retrieve of the same tokens consumes that prefetch.
+        Starts no load the caller must know about: `prefetch` starts loading (a handle the
+        caller owns), and `retrieve` loads what it needs. Under ``"cost"``, a tier whose hits
+        are declined gets one of its chunks read into L1 in the background at most every
+        `tiered_kv.cost.PROBE_INTERVAL_S` (the engine's own read, so that its estimate follows
+        the tier).
         """
         storage = self._require_storage()
         reg = self._registration(model_name)
@@ -466,21 +464,6 @@ class TieredKVEngine:
         for key, location in zip(keys, where, strict=False):
             if location == -1:
                 storage.l1.touch(key)  # about to be used: evict it last
-        if keys:
-            # Keyed by the claim's last chunk: a retrieve of the claimed tokens finds it, and so
-            # does one of the whole prompt (`_take_implicit` tries each of its keys).
-            implicit_key = (reg.model_name, keys[max(len(where), 1) - 1])
-            whole_key = (reg.model_name, keys[-1])
-            if whole_key != implicit_key:  # this prompt's earlier lookup that claimed it all
-                stale = self._implicit.pop(whole_key, None)
-                if stale is not None:
-                    stale.release_unused()
-            if self.config.prefetch and any(location != -1 for location in where):
-                self._start_implicit(implicit_key, reg, keys, where, num_tokens)
-            else:
-                stale = self._implicit.pop(implicit_key, None)
-                if stale is not None:
-                    stale.release_unused()
         return tokens
 
     def _worth_loading(
@@ -536,50 +519,12 @@ class TieredKVEngine:
             self._counters.cost_probes += 1
 
     @staticmethod
-    async def _finish_probe(handle: PrefetchHandle) -> None:
+    async def _finish_probe(handle: PrefetchClaims) -> None:
         """The probe's read lands in L1 (and in its tier's cost); the handle lets go of it."""
         try:
             await handle.wait()
         finally:
             handle.cancel()
-
-    def _take_implicit(self, model_name: str, keys: Sequence[ChunkKey]) -> PrefetchHandle | None:
-        """The prefetch a lookup started for a prefix of these keys (its claim ends at one of
-        them: chunk keys chain, so the same key is the same prefix), taken out of the map."""
-        if not self._implicit:
-            return None
-        for key in reversed(keys):
-            handle = self._implicit.pop((model_name, key), None)
-            if handle is not None:
-                return handle
-        return None
-
-    def _start_implicit(
-        self,
-        implicit_key: tuple[str, ChunkKey],
-        reg: Registration,
-        keys: Sequence[ChunkKey],
-        where: Sequence[int | None],
-        num_tokens: int,
-    ) -> None:
-        previous = self._implicit.pop(implicit_key, None)
-        if (
-            previous is not None
-            and not previous.released
-            and len(previous.slots) >= len(where)
-            and not previous.failed_loads()
-        ):
-            self._implicit[implicit_key] = previous  # a repeated lookup of a waiting request
-            return
-        handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=0)
-        if previous is not None:
-            previous.release_unused()  # after starting the new one, so shared loads survive
-        self._implicit[implicit_key] = handle
-        self._counters.implicit_prefetches += 1
-        while len(self._implicit) > self.config.prefetch_max_pending:
-            _, oldest = self._implicit.popitem(last=False)
-            oldest.cancel()
-            self._counters.implicit_prefetches_abandoned += 1
 
     def _start_prefetch(
         self,
@@ -589,7 +534,7 @@ class TieredKVEngine:
         num_tokens: int,
         *,
         first_chunk: int,
-    ) -> PrefetchHandle:
+    ) -> PrefetchClaims:
         slots = [
             (key, self._chunk_tokens(first_chunk + i, num_tokens), location)
             for i, (key, location) in enumerate(zip(keys[first_chunk:], where, strict=False))
@@ -610,8 +555,9 @@ class TieredKVEngine:
     ) -> PrefetchHandle:
         """Start loading the cached prefix of ``token_ids`` into L1 and return its handle.
 
-        The handle is the caller's: await it (or `wait`) for the loads, `cancel` it (or drop it)
-        to free its reservations. A retrieve of the same tokens uses whatever it loaded.
+        The handle is the caller's to end: ``async with handle:`` or `PrefetchHandle.close`
+        frees its reservations; passed as ``retrieve(..., prefetch=handle)`` it gives that
+        retrieve its loads, and the retrieve closes it. Await it (or `wait`) for the loads.
         ``from_token`` starts the prefix at the chunk holding that token (the handle's
         ``first_chunk``): a sliding-window layer group keeps only the chunks of its window.
         ``worth_loading``: the prefix is cut as `lookup` cuts it under ``load_policy="cost"``
@@ -630,8 +576,10 @@ class TieredKVEngine:
         if worth_loading and first == 0 and self.config.load_policy == "cost":
             where = self._worth_loading(reg, keys, where, _count(token_ids))
         self._counters.prefetch_calls += 1
-        return self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=first)
+        claims = self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=first)
+        return PrefetchHandle(claims)
 
+    @_call
     async def retrieve(
         self,
         token_ids: TokenIds,
@@ -641,44 +589,22 @@ class TieredKVEngine:
         model_name: str | None = None,
         policy: str | None = None,
         salt: KeySalt | None = None,
-    ) -> int:
-        """Load the cached prefix into the request's blocks; returns the tokens now valid.
+        prefetch: PrefetchHandle | None = None,
+    ) -> RetrieveResult:
+        """Load the cached prefix into the request's blocks; ``valid_tokens`` of the result is
+        the end of the valid prefix (``skip_prefix_tokens`` when nothing more could be loaded),
+        and the rest of it says what was cached but not delivered, and why.
 
         The first ``skip_prefix_tokens`` tokens are the engine's own (their slots are never
-        written, and chunks wholly inside them are not loaded). The result is the end of the
-        valid prefix: ``skip_prefix_tokens`` when nothing more could be loaded. ``policy``
-        overrides ``config.prefetch_policy`` for this call; `retrieve_detailed` says what was
-        cached but not delivered.
-        """
-        result = await self.retrieve_detailed(
-            token_ids,
-            block_ids,
-            skip_prefix_tokens=skip_prefix_tokens,
-            model_name=model_name,
-            policy=policy,
-            salt=salt,
-        )
-        return result.valid_tokens
-
-    @_call
-    async def retrieve_detailed(
-        self,
-        token_ids: TokenIds,
-        block_ids: Sequence[int],
-        *,
-        skip_prefix_tokens: int = 0,
-        model_name: str | None = None,
-        policy: str | None = None,
-        salt: KeySalt | None = None,
-    ) -> RetrieveResult:
-        """`retrieve`, returning a `RetrieveResult` (late and failed chunks, waiting time).
-
+        written, and chunks wholly inside them are not loaded). ``policy`` overrides
+        ``config.prefetch_policy`` for this call. ``prefetch``: a handle from `prefetch` of the
+        same tokens, whose loads this retrieve uses; it is closed when the retrieve returns.
         Chunks are scattered in batches of ``config.retrieve_batch_chunks``, and each batch's
         L1 references are dropped before waiting for or starting further loads, so delivering
         a prefix never needs more L1 room than one batch plus the loads in flight.
         """
         request = await self._retrieve_request(
-            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt
+            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
         )
         if isinstance(request, RetrieveResult):
             return request
@@ -694,20 +620,22 @@ class TieredKVEngine:
         model_name: str | None = None,
         policy: str | None = None,
         salt: KeySalt | None = None,
+        prefetch: PrefetchHandle | None = None,
     ) -> LayerwiseRetrieve:
         """Start loading the cached prefix layer by layer; returns once it is decided and its
         first layers' copies are queued, before any layer is ready.
 
-        Which chunks are delivered is settled first, as `retrieve_detailed` settles it (loads
+        Which chunks are delivered is settled first, as `retrieve` settles it (loads
         from L2/L3 waited for per the prefetch policy): ``result`` is final when this returns,
         so a late or failed chunk is known before any layer is used. Then every delivered
         chunk's layer 0 is copied, then layer 1, ...: call ``wait_layer(i)`` before the model's
         layer ``i`` reads the cache (a GPU-side wait on the current stream), and ``await
         wait()`` before retrieving into the same blocks again. Every delivered chunk is held in
-        L1 until its copies end, so the whole prefix must fit in L1 at once.
+        L1 until its copies end, so the whole prefix must fit in L1 at once. ``prefetch`` as
+        for `retrieve`.
         """
         request = await self._retrieve_request(
-            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt
+            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
         )
         self._counters.retrieve_layerwise_calls += 1
         if isinstance(request, RetrieveResult):
@@ -722,9 +650,10 @@ class TieredKVEngine:
         skip_prefix_tokens: int,
         model_name: str | None,
         policy: str | None,
-        salt: KeySalt | None = None,
+        salt: KeySalt | None,
+        prefetch: PrefetchHandle | None,
     ) -> RetrieveRequest | RetrieveResult:
-        """Validate a retrieve's arguments and find (or start) the prefetch it consumes; a
+        """Validate a retrieve's arguments and take the caller's prefetch (or start one); a
         `RetrieveResult` when nothing past ``skip_prefix_tokens`` is to be loaded."""
         storage = self._require_storage()
         reg = self._registration(model_name)
@@ -751,8 +680,8 @@ class TieredKVEngine:
         chunk_size = self.config.chunk_size
         keys = self._key_list(reg, token_ids, salt)
         first = skip_prefix_tokens // chunk_size
-        # The prefetch this request's lookup started ends with this retrieve, whatever it copies.
-        handle = self._take_implicit(reg.model_name, keys)
+        # The caller's prefetch ends with this retrieve, whatever it copies.
+        handle = None if prefetch is None else self._claims_for(prefetch, keys)
         if first >= len(keys):
             if handle is not None:
                 handle.release_unused()
@@ -785,8 +714,30 @@ class TieredKVEngine:
             batch_chunks=self.config.retrieve_batch_chunks,
         )
 
+    def _claims_for(self, prefetch: PrefetchHandle, keys: Sequence[ChunkKey]) -> PrefetchClaims:
+        """The claims of a caller's handle given to a retrieve: of this engine, and over the
+        same chunks as the request's tokens where they overlap (another prompt's loads would be
+        another's KV); chunks past the request's are released when it ends."""
+        if not isinstance(prefetch, PrefetchHandle):
+            raise ConfigError(
+                f"retrieve: prefetch must be a PrefetchHandle from prefetch(), got "
+                f"{type(prefetch).__name__}"
+            )
+        claims = claims_of(prefetch)
+        if claims.controller is not self._prefetch:
+            raise ConfigError("retrieve: the prefetch handle belongs to another engine")
+        for slot in claims.slots:
+            if slot.index < len(keys) and keys[slot.index] != slot.key:
+                claims.release_unused()
+                raise LayoutError(
+                    f"retrieve: the prefetch handle covers chunk {slot.index} of other tokens "
+                    "than this retrieve's (a handle serves the retrieve of the tokens it was "
+                    "made for, or a longer prompt that starts with them)"
+                )
+        return claims
+
     def _extend_handle(
-        self, handle: PrefetchHandle, keys: Sequence[ChunkKey], num_tokens: int
+        self, handle: PrefetchClaims, keys: Sequence[ChunkKey], num_tokens: int
     ) -> None:
         """Unreserved slots for the chunks past the handle's last (the prefix grew since the
         lookup that made it, or the handle was opened empty)."""
@@ -798,7 +749,7 @@ class TieredKVEngine:
 
     def _open_handle(
         self, reg: Registration, keys: Sequence[ChunkKey], num_tokens: int, first: int
-    ) -> PrefetchHandle:
+    ) -> PrefetchClaims:
         """A handle over chunks ``first`` on with nothing reserved yet (`RetrieveRequest`)."""
         handle = self._start_prefetch(reg, keys, [], num_tokens, first_chunk=first)
         self._extend_handle(handle, keys, num_tokens)

@@ -47,8 +47,6 @@ class EngineCounters:
     retrieve_layerwise_calls: int = 0
     store_layerwise_calls: int = 0
     prefetch_calls: int = 0
-    implicit_prefetches: int = 0
-    implicit_prefetches_abandoned: int = 0
     cost_probes: int = 0  # chunks of declined tiers read anyway, to keep their cost measured
 
 

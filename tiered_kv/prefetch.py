@@ -1,4 +1,5 @@
-"""`PrefetchController`: loads of L2/L3 chunks into L1 ahead of retrieve, and `PrefetchHandle`.
+"""`PrefetchController`: loads of L2/L3 chunks into L1 ahead of retrieve; `PrefetchClaims` (the
+engine's side of one prefetch) and `PrefetchHandle` (the caller's).
 
 Owns the in-flight loads (one per chunk key, shared by every request that wants it), the
 per-tier concurrency limits, the L1 budget of prefetch reservations, and the outcome counters.
@@ -6,13 +7,14 @@ A load's L1 object is allocated from the requesting registration's `MemoryLayout
 byte arrives; when the bytes are in, the chunk is committed to L1. Must not touch KV bytes (tiers
 do), import CUDA, or evict anything referenced (L1 allocation evicts unreferenced entries only);
 when L1 has no room, or prefetch reservations would pass their budget, prefetching stops there
-rather than thrash. Loop-only, except `PrefetchHandle`'s finalizer, which hops to the loop.
+rather than thrash. Loop-only, except `PrefetchClaims`' finalizer, which hops to the loop.
 
 Reference ownership: a load holds the staging object's first reference until its read ends; each
-handle waiting for the chunk holds one more (its reservation), dropped by `take` (the caller now
-owns it), `cancel`, or when the handle is garbage-collected. A handle may also pin chunks that
-were in L1 already (`pin_l1`: one reference each, so no eviction takes a claimed chunk before
-its retrieve), dropped by `unpin`, `cancel` or the collector likewise.
+prefetch waiting for the chunk holds one more (its reservation), dropped by `take` (retrieve now
+owns it), `cancel` (`PrefetchHandle.close`), or, for a handle its caller never closed, when it
+is garbage-collected (counted as leaked). A prefetch may also pin chunks that were in L1 already
+(`pin_l1`: one reference each, so no eviction takes a claimed chunk before its retrieve),
+dropped by `unpin`, `cancel` or the collector likewise.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class PrefetchCounters:
     """Outcomes of reservations (one per chunk a handle asked to load)."""
 
     handles: int = 0
+    handles_leaked: int = 0  # collected by the garbage collector still holding something
     loads_started: int = 0
     loads_deduplicated: int = 0
     ready_in_time: int = 0  # loaded before retrieve needed it
@@ -116,7 +119,7 @@ class PrefetchController:
         self._limits = [asyncio.Semaphore(self.read_slots[t.name.lower()]) for t in storage.lower]
         self._loads: dict[ChunkKey, _Load] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
-        self._handles: weakref.WeakSet[PrefetchHandle] = weakref.WeakSet()
+        self._handles: weakref.WeakSet[PrefetchClaims] = weakref.WeakSet()
         self._closed = False
 
     # -- loads ------------------------------------------------------------------------------
@@ -209,8 +212,8 @@ class PrefetchController:
         layout: MemoryLayoutDesc,
         *,
         first_chunk: int = 0,
-    ) -> PrefetchHandle:
-        """A handle over a located prefix starting at chunk ``first_chunk``: per chunk (key,
+    ) -> PrefetchClaims:
+        """The claims over a located prefix starting at chunk ``first_chunk``: per chunk (key,
         token count, location), location -1 for L1, else the index of the first lower tier
         holding it. Chunks in lower tiers get a reservation until one cannot be made (L1
         pressure stops prefetching there)."""
@@ -229,9 +232,9 @@ class PrefetchController:
             slot.load = got
             slot.held = True
         self.counters.handles += 1
-        handle = PrefetchHandle(self, handle_slots, first_chunk)
-        self._handles.add(handle)
-        return handle
+        claims = PrefetchClaims(self, handle_slots, first_chunk)
+        self._handles.add(claims)
+        return claims
 
     def stats(self) -> PrefetchStats:
         running = sum(1 for load in self._loads.values() if load.running)
@@ -283,10 +286,12 @@ def _finalize(
     slots: list[PrefetchSlot],
     pins: list[MemoryObj],
 ) -> None:
-    """A handle was garbage-collected without being released: free its reservations and pins
-    on the loop (the collector may run in any thread)."""
+    """A prefetch was garbage-collected without being closed (a caller's bug, counted in
+    ``handles_leaked``): free its reservations and pins on the loop (the collector may run in
+    any thread)."""
     if not any(slot.held for slot in slots) and not pins:
         return
+    controller.counters.handles_leaked += 1
     # A closed loop raises RuntimeError: the engine is gone, and its arena with it.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(_release_slots, controller, slots, "cancelled")
@@ -298,10 +303,11 @@ def _unpin(pins: list[MemoryObj]) -> None:
         pins.pop().unref()
 
 
-class PrefetchHandle:
-    """A prefetch of one request's cached prefix. Awaiting it waits for every load and returns
-    `ready_tokens()`. `cancel()` (or dropping the last reference to the handle) frees its
-    reservations; retrieve consumes it chunk by chunk with `take`."""
+class PrefetchClaims:
+    """The engine's side of one prefetch: its reservations and pins, which retrieve consumes
+    chunk by chunk (`take`, `add_slot`, `extend`, `release_unused`). Callers see it through
+    their `PrefetchHandle`; the engine's own prefetches (a retrieve's loads, cost probes) use
+    it directly."""
 
     def __init__(
         self, controller: PrefetchController, slots: list[PrefetchSlot], first_chunk: int
@@ -320,6 +326,10 @@ class PrefetchHandle:
     @property
     def slots(self) -> Sequence[PrefetchSlot]:
         return self._slots
+
+    @property
+    def controller(self) -> PrefetchController:
+        return self._controller
 
     def reserved_chunks(self) -> int:
         return sum(1 for slot in self._slots if slot.held)
@@ -453,7 +463,7 @@ class PrefetchHandle:
         position = index - self.first_chunk
         if not 0 <= position < len(self._slots) or self._slots[position].held:
             raise ValueError(
-                f"PrefetchHandle.add_slot: chunk {index} is not an unreserved slot of chunks "
+                f"PrefetchClaims.add_slot: chunk {index} is not an unreserved slot of chunks "
                 f"[{self.first_chunk}, {self.first_chunk + len(self._slots)})"
             )
         slot = PrefetchSlot(index, key, num_tokens, in_l1=False, load=load, held=load is not None)
@@ -464,3 +474,84 @@ class PrefetchHandle:
         """The slot of chunk ``index`` (absolute in the request), or None outside the handle."""
         position = index - self.first_chunk
         return self._slots[position] if 0 <= position < len(self._slots) else None
+
+
+class PrefetchHandle:
+    """A caller's prefetch of one request's cached prefix (`TieredKVEngine.prefetch`): the
+    caller owns it and ends it, by `close` (or leaving ``async with handle:``) or by passing
+    it to the retrieve of the same tokens, which uses its loads and closes it. Awaiting it
+    waits for every load and returns `ready_tokens()`. Closing frees its reservations (loads
+    nobody else wants are cancelled) and pins. A handle dropped unclosed is freed by the
+    garbage collector and counted as leaked (``handles_leaked``)."""
+
+    __slots__ = ("_claims",)
+
+    def __init__(self, claims: PrefetchClaims) -> None:
+        self._claims = claims
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens of the located prefix this prefetch covers (from `first_chunk` on)."""
+        return self._claims.hit_tokens
+
+    @property
+    def first_chunk(self) -> int:
+        return self._claims.first_chunk
+
+    @property
+    def closed(self) -> bool:
+        return self._claims.released
+
+    def done(self) -> bool:
+        """True when no load is still running (or the handle is closed)."""
+        return self._claims.done()
+
+    def ready_tokens(self) -> int:
+        """Tokens of the prefix that are in host memory now (a chunk not ready ends it)."""
+        return self._claims.ready_tokens()
+
+    def ready_chunks(self) -> list[bool]:
+        """Per chunk (``first_chunk + i``): whether it is in host memory now."""
+        return self._claims.ready_chunks()
+
+    def failed_loads(self) -> bool:
+        """Whether a load ended without its chunk (a tier failed or missed)."""
+        return self._claims.failed_loads()
+
+    def reserved_chunks(self) -> int:
+        """Chunks this prefetch holds a reservation for (L1 pressure or the prefetch budget
+        may have stopped it short of `hit_tokens`)."""
+        return self._claims.reserved_chunks()
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait (at most ``timeout`` seconds) for the loads; returns `ready_tokens()`."""
+        return await self._claims.wait(timeout)
+
+    def __await__(self) -> Generator[Any, None, int]:
+        return self.wait().__await__()
+
+    def pin_l1(self, num_chunks: int, max_bytes: int) -> tuple[int, bool]:
+        """Keep the first ``num_chunks`` chunks that were in L1 already from eviction until
+        `unpin` or `close` (`PrefetchClaims.pin_l1`); returns (bytes pinned now, all pinned)."""
+        return self._claims.pin_l1(num_chunks, max_bytes)
+
+    def pinned_bytes(self) -> int:
+        return self._claims.pinned_bytes()
+
+    def unpin(self) -> None:
+        self._claims.unpin()
+
+    def close(self) -> None:
+        """Free every reservation and pin. Idempotent."""
+        self._claims.cancel()
+
+    async def __aenter__(self) -> PrefetchHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+def claims_of(handle: PrefetchHandle) -> PrefetchClaims:
+    """The engine's side of a caller's handle (for the retrieve it is passed to)."""
+    return handle._claims

@@ -21,7 +21,7 @@ from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, LayerL
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
-from tiered_kv.prefetch import PrefetchController, PrefetchHandle
+from tiered_kv.prefetch import PrefetchClaims, PrefetchController
 from tiered_kv.storage import StorageManager
 
 
@@ -119,8 +119,8 @@ class RetrieveRequest:
     skip_prefix_tokens: int
     first: int
     policy: str
-    handle: PrefetchHandle | None
-    open_handle: Callable[[], PrefetchHandle]
+    handle: PrefetchClaims | None
+    open_handle: Callable[[], PrefetchClaims]
     chunk_size: int
     chunk_tokens: Callable[[int], int]
     timeout_base_s: float

@@ -28,7 +28,7 @@ from tiered_kv.gpu.base import KVMover
 from tiered_kv.keys import KeySalt, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.prefetch import PrefetchHandle
-from tiered_kv.retrieval import LayerwiseRetrieve
+from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
 from tiered_kv.tiers.base import LowerTier
 
 _P = ParamSpec("_P")
@@ -135,8 +135,6 @@ class SyncTieredKVEngine:
     register_kv_caches = _on_loop(TieredKVEngine.register_kv_caches)
     store = _blocking(TieredKVEngine.store)
     lookup = _blocking(TieredKVEngine.lookup)
-    retrieve = _blocking(TieredKVEngine.retrieve)
-    retrieve_detailed = _blocking(TieredKVEngine.retrieve_detailed)
     flush = _blocking(TieredKVEngine.flush)
     evict_l1 = _blocking(TieredKVEngine.evict_l1)
     stats = _on_loop(TieredKVEngine.stats)
@@ -157,6 +155,30 @@ class SyncTieredKVEngine:
         )
         return SyncPrefetchHandle(self, self._call(handle))
 
+    def retrieve(
+        self,
+        token_ids: TokenIds,
+        block_ids: Sequence[int],
+        *,
+        skip_prefix_tokens: int = 0,
+        model_name: str | None = None,
+        policy: str | None = None,
+        salt: KeySalt | None = None,
+        prefetch: SyncPrefetchHandle | None = None,
+    ) -> RetrieveResult:
+        """`TieredKVEngine.retrieve`; ``prefetch`` (closed by it) as there."""
+        return self._call(
+            self._engine.retrieve(
+                token_ids,
+                block_ids,
+                skip_prefix_tokens=skip_prefix_tokens,
+                model_name=model_name,
+                policy=policy,
+                salt=salt,
+                prefetch=None if prefetch is None else prefetch._hand_over(),
+            )
+        )
+
     def retrieve_layerwise(
         self,
         token_ids: TokenIds,
@@ -166,6 +188,7 @@ class SyncTieredKVEngine:
         model_name: str | None = None,
         policy: str | None = None,
         salt: KeySalt | None = None,
+        prefetch: SyncPrefetchHandle | None = None,
     ) -> SyncLayerwiseRetrieve:
         """`TieredKVEngine.retrieve_layerwise` behind a blocking handle (``wait_layer`` from
         any thread, as on the async one)."""
@@ -177,6 +200,7 @@ class SyncTieredKVEngine:
                 model_name=model_name,
                 policy=policy,
                 salt=salt,
+                prefetch=None if prefetch is None else prefetch._hand_over(),
             )
         )
         return SyncLayerwiseRetrieve(self, load)
@@ -224,8 +248,8 @@ class SyncTieredKVEngine:
 
 
 class SyncPrefetchHandle:
-    """Blocking twin of `PrefetchHandle`; every call hops to the engine's loop. Dropping it
-    frees the reservations like dropping the async handle does."""
+    """Blocking twin of `PrefetchHandle`; every call hops to the engine's loop. Its owner ends
+    it with `close` (or ``with handle:``), or hands it to a retrieve, which closes it."""
 
     def __init__(self, owner: SyncTieredKVEngine, handle: PrefetchHandle) -> None:
         self._owner = owner
@@ -234,8 +258,14 @@ class SyncPrefetchHandle:
 
     def _require(self) -> PrefetchHandle:
         if self._handle is None:
-            raise EngineStateError("SyncPrefetchHandle: already cancelled")
+            raise EngineStateError("SyncPrefetchHandle: already closed")
         return self._handle
+
+    def _hand_over(self) -> PrefetchHandle:
+        """The async handle, for the retrieve that will close it; this one is closed now."""
+        handle = self._require()
+        self._handle = None
+        return handle
 
     def done(self) -> bool:
         return self._owner._run_on_loop(self._require().done)
@@ -247,10 +277,22 @@ class SyncPrefetchHandle:
         """Block until the loads finish (at most ``timeout`` seconds); returns ready tokens."""
         return self._owner._call(self._require().wait(timeout))
 
-    def cancel(self) -> None:
+    def close(self) -> None:
+        """Free the reservations. Idempotent."""
         handle, self._handle = self._handle, None
         if handle is not None and not self._owner._closed:
-            self._owner._run_on_loop(handle.cancel)
+            self._owner._run_on_loop(handle.close)
+
+    def __enter__(self) -> SyncPrefetchHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 class SyncLayerwiseRetrieve:

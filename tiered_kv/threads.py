@@ -289,5 +289,8 @@ class BlockingPool:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(settle, ended)
 
-        threading.Thread(target=join, name=f"{self.name}-close", daemon=True).start()
-        return await asyncio.shield(done)
+        closer = threading.Thread(target=join, name=f"{self.name}-close", daemon=True)
+        closer.start()
+        ended = await asyncio.shield(done)
+        closer.join()  # it has handed its answer over: only its return is left
+        return ended

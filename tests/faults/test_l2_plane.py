@@ -86,7 +86,7 @@ async def test_a_prefetch_cancelled_mid_stripe_leaks_nothing(tmp_path: Path) -> 
             assert handle.hit_tokens == len(TOKENS)
             await asyncio.sleep(0.02 * (round_ + 1))  # some chunks read, some reading
             assert 0 < len(_read_threads()) <= THREADS
-            handle.cancel()
+            handle.close()
             for _ in range(500):  # cancelled loads wait for their threads to let go
                 if engine.stats()["prefetch"]["in_flight"] == 0:
                     break
@@ -99,7 +99,7 @@ async def test_a_prefetch_cancelled_mid_stripe_leaks_nothing(tmp_path: Path) -> 
         reference = caches.snapshot()
         poison_blocks(caches, DST)
         expected = caches.snapshot()
-        assert await engine.retrieve(TOKENS, DST) == len(TOKENS)
+        assert (await engine.retrieve(TOKENS, DST)).valid_tokens == len(TOKENS)
         expect_copy(caches, expected, reference, SRC, DST, range(len(TOKENS)), BLOCK)
         assert caches.bytes_equal(expected)
     assert engine.leaked_on_close == 0
@@ -118,7 +118,7 @@ async def test_a_stuck_reader_is_bounded_by_the_load_s_deadline(tmp_path: Path) 
         stuck_chunk = 5
         ops.stuck.add(engine.chunk_keys(TOKENS)[stuck_chunk].hex)
         poison_blocks(caches, DST)
-        result = await asyncio.wait_for(engine.retrieve_detailed(TOKENS, DST), 10)
+        result = await asyncio.wait_for(engine.retrieve(TOKENS, DST), 10)
         assert ops.entered.is_set()
         assert result.stop_reason == "late"
         assert result.valid_tokens == stuck_chunk * CHUNK

@@ -95,7 +95,7 @@ async def test_soak_under_eviction_serves_only_correct_rows(
                 counts["prefetches"] += 1
                 await asyncio.sleep(worker_rng.random() * 0.002)
                 if worker_rng.random() < 0.5:
-                    handle.cancel()
+                    handle.close()
                     counts["cancelled"] += 1
                 else:
                     await handle
@@ -104,7 +104,7 @@ async def test_soak_under_eviction_serves_only_correct_rows(
             if worker_rng.random() < 0.2:  # the engine's own prefix cache had some blocks
                 skip = BLOCK_SIZE * worker_rng.randrange(0, len(prompt) // BLOCK_SIZE + 1)
                 model.prefill(prompt[:skip], blocks, 0)
-            valid = await engine.retrieve(prompt, blocks, skip_prefix_tokens=skip)
+            valid = (await engine.retrieve(prompt, blocks, skip_prefix_tokens=skip)).valid_tokens
             counts["retrieves"] += 1
             counts["hit_tokens"] += valid - skip
             bad = model.wrong_rows(prompt, blocks, valid)

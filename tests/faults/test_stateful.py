@@ -62,7 +62,9 @@ class EngineCalls(RuleBasedStateMachine):
         try:
             skip = min(skip_blocks * BLOCK_SIZE, len(prompt))
             self.model.prefill(prompt[:skip], blocks, 0)
-            valid = self.engine.retrieve(prompt, blocks, skip_prefix_tokens=skip, policy=policy)
+            valid = self.engine.retrieve(
+                prompt, blocks, skip_prefix_tokens=skip, policy=policy
+            ).valid_tokens
             assert skip <= valid <= len(prompt)
             assert self.model.wrong_rows(prompt, blocks, valid) == 0
             self.model.prefill(prompt, blocks, valid)
@@ -82,7 +84,7 @@ class EngineCalls(RuleBasedStateMachine):
         assert self.engine is not None
         handle = self.engine.prefetch(SYSTEMS[system])
         if cancel:
-            handle.cancel()
+            handle.close()
 
     @rule(chunks=st.integers(0, 8))
     def evict(self, chunks: int) -> None:

@@ -36,7 +36,9 @@ async def test_cuda_caches_round_trip_through_pinned_l1_and_l2(
         for skip in (0, 40):
             poison_blocks(caches, dst)
             expected = caches.snapshot()
-            assert await engine.retrieve(tokens, dst, skip_prefix_tokens=skip) == num_tokens
+            assert (
+                await engine.retrieve(tokens, dst, skip_prefix_tokens=skip)
+            ).valid_tokens == num_tokens
             torch.cuda.synchronize()
             expect_copy(caches, expected, reference, src, dst, range(skip, num_tokens), block)
             assert caches.bytes_equal(expected)

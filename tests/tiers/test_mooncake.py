@@ -270,7 +270,7 @@ async def test_a_killed_writer_costs_misses_never_wrong_data(
         # The master still lists the dead segment; the transfer from it retries for seconds
         # (Mooncake backs off 1, 2, 4 s), but the load ends at its deadline.
         started = time.monotonic()
-        assert await engine.retrieve(tokens, dst) == 0
+        assert (await engine.retrieve(tokens, dst)).valid_tokens == 0
         elapsed = time.monotonic() - started
         assert elapsed < 2 * timeout_s + 1.0, elapsed
         assert caches.bytes_equal(before)  # nothing was written into the blocks
@@ -326,7 +326,7 @@ async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             deadline = time.monotonic() + 30
-            while await engine.retrieve(tokens, list(range(12, 19))) < len(tokens):
+            while (await engine.retrieve(tokens, list(range(12, 19)))).valid_tokens < len(tokens):
                 assert time.monotonic() < deadline, engine.stats()["l3"]
                 await engine.evict_l1()
                 await asyncio.sleep(0.5)
@@ -356,7 +356,7 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
         # closed), later ones block in Mooncake (~4.3 s each) until the deadline ends them.
         for _ in range(4):
             started = time.monotonic()
-            assert await engine.retrieve(tokens, dst) == 0
+            assert (await engine.retrieve(tokens, dst)).valid_tokens == 0
             load_s = time.monotonic() - started
             started = time.monotonic()
             assert await engine.lookup(tokens) == 0
@@ -385,7 +385,7 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
             await engine.evict_l1()
             poison_blocks(caches, fresh_dst)
             before = caches.snapshot()
-            loaded = await engine.retrieve(fresh, fresh_dst)
+            loaded = (await engine.retrieve(fresh, fresh_dst)).valid_tokens
             if loaded == len(fresh):
                 break
             assert loaded == 0, loaded  # a prefix of misses, never part of a chunk

@@ -116,7 +116,9 @@ async def test_corrupt_value_is_a_miss_and_removed_and_ttl_applies(
             value[-1] ^= 0x01
             await client.set(name, bytes(value))
             assert await engine.lookup(tokens) == 32  # EXISTS says yes ...
-            assert await engine.retrieve(tokens, [5, 6]) == 0  # ... the checksum says no
+            assert (
+                await engine.retrieve(tokens, [5, 6])
+            ).valid_tokens == 0  # ... the checksum says no
             assert not await client.exists(name)
         finally:
             await client.aclose()

@@ -83,7 +83,7 @@ async def _time_prefetch(engine: TieredKVEngine, tokens: list[int], reps: int) -
         handle = await engine.prefetch(tokens)
         ready = await handle.wait()
         times.append(time.perf_counter() - started)
-        handle.cancel()
+        handle.close()
         if ready != len(tokens):
             raise RuntimeError(f"prefetch loaded {ready} of {len(tokens)} tokens")
     await engine.evict_l1()

@@ -2,13 +2,13 @@
 
 Many users share one system prompt; each turn appends a user message to a user's history, the
 request (the whole history) is served, and the reply is appended. Requests are served in
-concurrent batches, like a scheduler would: ``lookup`` when the request is scheduled, a lead
+concurrent batches, like a scheduler would: ``prefetch`` when the request is scheduled, a lead
 time (the scheduler's gap before the model runs), ``retrieve``, then ``store`` of the prompt.
 
 Measured per scenario (prefetch on / off x lead time), on the same request sequence:
 - hit rate: prompt tokens restored from the cache / prompt tokens, and chunks per tier;
 - tokens restored per second of retrieve (the time the model waits on the cache);
-- TTFT proxy: time from lookup to retrieve complete (mean, p50, p90), and the stall (retrieve
+- TTFT proxy: time from prefetch to retrieve complete (mean, p50, p90), and the stall (retrieve
   alone). With prefetch, loads run during the lead time; without, they start in retrieve.
 
 This VM's page cache makes a re-read of a just-written file a memcpy, so the L2 (the real
@@ -142,7 +142,6 @@ async def run_scenario(
         namespace=namespace,
         chunk_size=args.chunk_size,
         l1_size=args.l1_size,
-        prefetch=scenario.prefetch,
         prefetch_policy="wait_complete",
         prefetch_concurrency=args.concurrency_per_tier,
         pin_memory=False,
@@ -178,11 +177,12 @@ async def run_scenario(
                 nonlocal restored, prompt_tokens, late, retrieve_seconds
                 blocks = list(range(slot * blocks_per_request, (slot + 1) * blocks_per_request))
                 t0 = time.perf_counter()
-                await engine.lookup(prompt)
+                # As the request arrives (prefetch on), or not at all: retrieve loads then.
+                handle = await engine.prefetch(prompt) if scenario.prefetch else None
                 if scenario.lead_ms:
                     await asyncio.sleep(scenario.lead_ms / 1000)
                 t1 = time.perf_counter()
-                result = await engine.retrieve_detailed(prompt, blocks)
+                result = await engine.retrieve(prompt, blocks, prefetch=handle)
                 t2 = time.perf_counter()
                 ttft.append((t2 - t0) * 1000)
                 stall.append((t2 - t1) * 1000)
@@ -255,8 +255,8 @@ def plot(plt: Any, results: Sequence[Result], path: Path, title: str) -> None:
             ax.plot(xs, ys, style, label=f"prefetch {'on' if prefetch else 'off'}")
     leads = sorted({r.scenario.lead_ms for r in results})
     ax.plot(leads, leads, ":", color="grey", label="lead time alone (lower bound)")
-    ax.set_xlabel("lead time: lookup -> retrieve (ms)")
-    ax.set_ylabel("TTFT proxy: lookup -> retrieve complete (ms, mean)")
+    ax.set_xlabel("lead time: prefetch -> retrieve (ms)")
+    ax.set_ylabel("TTFT proxy: prefetch -> retrieve complete (ms, mean)")
     ax.set_title(textwrap.fill(title, 95), fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend()

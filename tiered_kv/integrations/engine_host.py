@@ -24,12 +24,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tiered_kv.config import EngineConfig
-from tiered_kv.engine import RetrieveResult
 from tiered_kv.integrations.lookup_channel import LookupServer
 from tiered_kv.keys import KeySalt, TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.prefetch import PrefetchHandle
-from tiered_kv.retrieval import LayerwiseRetrieve
+from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
 from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore, SyncTieredKVEngine
 from tiered_kv.tiers.base import LowerTier, TierEvent, TierEventLog
 
@@ -47,10 +46,10 @@ class _Lookup:
 
     def cancel(self) -> None:
         for handle in self.handles:
-            handle.cancel()
+            handle.close()
 
     def released(self) -> bool:
-        return any(handle.released for handle in self.handles)
+        return any(handle.closed for handle in self.handles)
 
     def done(self) -> bool:
         return all(handle.done() for handle in self.handles)
@@ -196,7 +195,7 @@ class EngineHost(SyncTieredKVEngine):
         claimed = len(token_ids) if claimed_tokens is None else claimed_tokens
 
         async def load() -> RetrieveResult:
-            result = await self._engine.retrieve_detailed(
+            result = await self._engine.retrieve(
                 token_ids,
                 block_ids,
                 skip_prefix_tokens=skip_prefix_tokens,
@@ -531,12 +530,12 @@ class EngineHost(SyncTieredKVEngine):
                 token_ids[: hit + length], model_name=model_name, salt=salt, worth_loading=True
             )
             if partial.hit_tokens == hit + length:
-                handle.cancel()
+                handle.close()
                 self.counters.partial_chunk_hits += 1
                 if self._tier_events is not None:
                     self._remember_tokens(token_ids[: hit + length], model_name, salt)
                 return partial
-            partial.cancel()
+            partial.close()
         return handle
 
     def _hybrid_ready(
