@@ -166,8 +166,11 @@ class ConnectorSettings:
         cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     ) -> ConnectorSettings:
         """Raises `ConfigError` for what the connector does not support (pipeline parallelism,
-        hybrid groups other than attention with vLLM's block size) or an unknown extra key."""
+        hybrid groups other than attention with vLLM's block size), an unknown extra key, or
+        no ``kv_transfer_config``."""
         transfer = vllm_config.kv_transfer_config
+        if transfer is None:
+            raise ConfigError("TieredKVConnector: vLLM's kv_transfer_config is not set")
         engine_config, options = parse_extra_config(transfer.kv_connector_extra_config)
         block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
