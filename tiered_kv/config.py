@@ -13,7 +13,7 @@ import re
 import urllib.parse
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tiered_kv.errors import ConfigError
 
@@ -33,9 +33,12 @@ _SIZE_UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-LOAD_POLICIES = ("cost", "always")
-WRITE_POLICIES = ("write_through", "write_back", "selective")
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+LoadPolicy = Literal["cost", "always"]
+WritePolicy = Literal["write_through", "write_back", "selective"]
+PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
+LOAD_POLICIES: tuple[LoadPolicy, ...] = get_args(LoadPolicy)
+WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
 _INT_FIELDS = (
     "chunk_size",
     "lower_write_queue",
@@ -164,7 +167,7 @@ class EngineConfig:
     close_timeout_s: float = 30.0
     pin_memory: bool | None = None
     l2_fsync: bool = True
-    prefetch_policy: str = "wait_complete"
+    prefetch_policy: PrefetchPolicy = "wait_complete"
     prefetch_timeout_base_s: float = 0.005
     prefetch_timeout_per_1k_tokens_s: float = 0.002
     prefetch_concurrency: int | None = None
@@ -172,11 +175,11 @@ class EngineConfig:
     prefetch_l1_fraction: float = 0.5
     prefetch_max_pending: int = 256
     retrieve_batch_chunks: int = 16
-    write_policy: str = "write_through"
+    write_policy: WritePolicy = "write_through"
     write_policies: str = ""
     selective_min_hits: int = 2
     layerwise: bool | None = None
-    load_policy: str = "cost"
+    load_policy: LoadPolicy = "cost"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):

@@ -20,7 +20,13 @@ from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from tiered_kv import metrics
-from tiered_kv.config import LOAD_POLICIES, PREFETCH_POLICIES, EngineConfig
+from tiered_kv.config import (
+    LOAD_POLICIES,
+    PREFETCH_POLICIES,
+    EngineConfig,
+    LoadPolicy,
+    PrefetchPolicy,
+)
 from tiered_kv.cost import RecomputeCost, choose_claim
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
@@ -435,7 +441,7 @@ class TieredKVEngine:
         *,
         model_name: str | None = None,
         salt: KeySalt | None = None,
-        load_policy: str | None = None,
+        load_policy: LoadPolicy | None = None,
     ) -> int:
         """Tokens of the longest cached prefix across all tiers (a miss ends the prefix), cut
         (``load_policy="cost"``) to the part whose expected load time beats recomputing it.
@@ -587,7 +593,7 @@ class TieredKVEngine:
         *,
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
-        policy: str | None = None,
+        policy: PrefetchPolicy | None = None,
         salt: KeySalt | None = None,
         prefetch: PrefetchHandle | None = None,
     ) -> RetrieveResult:
@@ -618,7 +624,7 @@ class TieredKVEngine:
         *,
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
-        policy: str | None = None,
+        policy: PrefetchPolicy | None = None,
         salt: KeySalt | None = None,
         prefetch: PrefetchHandle | None = None,
     ) -> LayerwiseRetrieve:
@@ -649,7 +655,7 @@ class TieredKVEngine:
         block_ids: Sequence[int],
         skip_prefix_tokens: int,
         model_name: str | None,
-        policy: str | None,
+        policy: PrefetchPolicy | None,
         salt: KeySalt | None,
         prefetch: PrefetchHandle | None,
     ) -> RetrieveRequest | RetrieveResult:

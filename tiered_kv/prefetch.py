@@ -26,7 +26,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
@@ -34,6 +34,9 @@ from tiered_kv.memory import MemoryObj
 from tiered_kv.storage import StorageManager
 
 logger = logging.getLogger(__name__)
+
+ReserveStop = Literal["no_space", "budget"]  # why `reserve` reserved nothing
+ReleaseOutcome = Literal["cancelled", "late"]  # how a prefetch's unused reservations end
 
 
 @dataclasses.dataclass(slots=True)
@@ -131,9 +134,9 @@ class PrefetchController:
         num_tokens: int,
         *,
         budgeted: bool = True,
-    ) -> _Load | str:
+    ) -> _Load | ReserveStop:
         """Join the in-flight load of ``key`` or start one; the caller becomes a holder (one
-        reference to the object). Returns "no_space" or "budget" when nothing was reserved."""
+        reference to the object). Returns why nothing was reserved otherwise (`ReserveStop`)."""
         load = self._loads.get(key)
         if load is not None:
             self.counters.loads_deduplicated += 1
@@ -261,7 +264,9 @@ class PrefetchController:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _release_slots(controller: PrefetchController, slots: list[PrefetchSlot], outcome: str) -> None:
+def _release_slots(
+    controller: PrefetchController, slots: list[PrefetchSlot], outcome: ReleaseOutcome
+) -> None:
     """Drop every reservation still held in ``slots``, counting ``outcome`` for each."""
     counters = controller.counters
     for slot in slots:
@@ -407,7 +412,7 @@ class PrefetchClaims:
         """Free every reservation (loads nobody else wants are cancelled). Idempotent."""
         self._release("cancelled")
 
-    def _release(self, outcome: str) -> None:
+    def _release(self, outcome: ReleaseOutcome) -> None:
         if self.released:
             return
         self.released = True

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
+from tiered_kv.config import PrefetchPolicy
 from tiered_kv.errors import EngineStateError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, LayerLoad
 from tiered_kv.keys import ChunkKey
@@ -23,6 +24,9 @@ from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
 from tiered_kv.prefetch import PrefetchClaims, PrefetchController
 from tiered_kv.storage import StorageManager
+
+# Why a retrieve's delivered prefix ends (`RetrieveResult.stop_reason`).
+StopReason = Literal["complete", "gap", "late", "failed", "no_space"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,8 +48,8 @@ class RetrieveResult:
 
     valid_tokens: int
     cached_tokens: int
-    stop_reason: str
-    policy: str
+    stop_reason: StopReason
+    policy: PrefetchPolicy
     late_chunks: tuple[int, ...] = ()
     failed_chunks: tuple[int, ...] = ()
     waited_s: float = 0.0
@@ -118,7 +122,7 @@ class RetrieveRequest:
     num_tokens: int
     skip_prefix_tokens: int
     first: int
-    policy: str
+    policy: PrefetchPolicy
     handle: PrefetchClaims | None
     open_handle: Callable[[], PrefetchClaims]
     chunk_size: int
@@ -359,6 +363,6 @@ class _Walk:
     """Where a walk over a request's chunks stopped: the first chunk not taken, and why."""
 
     index: int
-    stop_reason: str = "complete"
+    stop_reason: StopReason = "complete"
     failed: tuple[int, ...] = ()
     waited: float = 0.0

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from tiered_kv.config import EngineConfig
+from tiered_kv.config import EngineConfig, PrefetchPolicy
 from tiered_kv.engine import TieredKVEngine
 from tiered_kv.errors import EngineStateError
 from tiered_kv.gpu.base import KVMover
@@ -162,7 +162,7 @@ class SyncTieredKVEngine:
         *,
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
-        policy: str | None = None,
+        policy: PrefetchPolicy | None = None,
         salt: KeySalt | None = None,
         prefetch: SyncPrefetchHandle | None = None,
     ) -> RetrieveResult:
@@ -186,7 +186,7 @@ class SyncTieredKVEngine:
         *,
         skip_prefix_tokens: int = 0,
         model_name: str | None = None,
-        policy: str | None = None,
+        policy: PrefetchPolicy | None = None,
         salt: KeySalt | None = None,
         prefetch: SyncPrefetchHandle | None = None,
     ) -> SyncLayerwiseRetrieve:
