@@ -1,4 +1,3 @@
-# mypy: disallow-subclassing-any=False
 # vLLM's base classes are Any where vLLM is not installed (the light .venv that lints).
 """`TieredKVConnector`: the class vLLM instantiates, once per role.
 

@@ -1,4 +1,3 @@
-# mypy: disallow-subclassing-any=False
 # vLLM's base classes are Any where vLLM is not installed (the light .venv that lints).
 """The scheduler's plan for one step, as vLLM carries it to every worker: `TieredKVMetadata`.
 
