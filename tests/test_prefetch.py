@@ -302,6 +302,10 @@ async def test_a_handle_for_other_tokens_is_refused_by_retrieve(
         await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert caches.bytes_equal(before)
     assert engine.stats()["prefetch"]["live_handles"] == 0
+    refused = await engine.prefetch(TOKENS)
+    with pytest.raises(LayoutError, match="block_ids"):
+        await engine.retrieve(TOKENS, [0, 1], prefetch=refused)  # too few blocks
+    assert refused.closed  # handed over: ended however the retrieve ended
     with pytest.raises(ConfigError, match="must be a PrefetchHandle"):
         await engine.retrieve(TOKENS, DST, prefetch=object())  # type: ignore[arg-type]
     shorter = await engine.prefetch(TOKENS[:64])
@@ -483,4 +487,23 @@ async def test_a_prefetch_whose_loads_failed_reports_them_and_the_next_retrieve_
     result = await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert (result.valid_tokens, result.stop_reason) == (0, "failed")
     assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 100
+    await _settle(engine)
+
+
+async def test_a_prefetch_right_after_a_close_does_not_join_the_cancelled_loads(
+    setup: tuple[TieredKVEngine, FaultyTier],
+) -> None:
+    """The closed handle's loads are cancelled but still ending: a new prefetch of the same
+    chunks starts loads of its own (joining the cancelled ones failed every chunk)."""
+    engine, tier = setup
+    tier.gate = asyncio.Event()
+    first = await engine.prefetch(TOKENS)
+    first.close()
+    second = await engine.prefetch(TOKENS)
+    stats = engine.stats()["prefetch"]
+    assert (stats["loads_started"], stats["loads_deduplicated"]) == (8, 0)
+    assert stats["in_flight"] == 8  # the cancelled loads count until they end
+    tier.gate.set()
+    assert await second == 100 and not second.failed_loads()
+    assert (await engine.retrieve(TOKENS, DST, prefetch=second)).valid_tokens == 100
     await _settle(engine)

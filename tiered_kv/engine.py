@@ -604,17 +604,22 @@ class TieredKVEngine:
         The first ``skip_prefix_tokens`` tokens are the engine's own (their slots are never
         written, and chunks wholly inside them are not loaded). ``policy`` overrides
         ``config.prefetch_policy`` for this call. ``prefetch``: a handle from `prefetch` of the
-        same tokens, whose loads this retrieve uses; it is closed when the retrieve returns.
+        same tokens, whose loads this retrieve uses; it is closed when the retrieve ends, however
+        it ends (an error or a cancellation included).
         Chunks are scattered in batches of ``config.retrieve_batch_chunks``, and each batch's
         L1 references are dropped before waiting for or starting further loads, so delivering
         a prefix never needs more L1 room than one batch plus the loads in flight.
         """
-        request = await self._retrieve_request(
-            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
-        )
-        if isinstance(request, RetrieveResult):
-            return request
-        return await self._require_retriever().whole(request)
+        try:
+            request = await self._retrieve_request(
+                token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
+            )
+            if isinstance(request, RetrieveResult):
+                return request
+            return await self._require_retriever().whole(request)
+        finally:
+            if isinstance(prefetch, PrefetchHandle):
+                prefetch.close()  # handed over: ended however the retrieve ends
 
     @_call
     async def retrieve_layerwise(
@@ -640,14 +645,18 @@ class TieredKVEngine:
         L1 until its copies end, so the whole prefix must fit in L1 at once. ``prefetch`` as
         for `retrieve`.
         """
-        request = await self._retrieve_request(
-            token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
-        )
-        self._counters.retrieve_layerwise_calls += 1
-        if isinstance(request, RetrieveResult):
-            reg = self._registration(model_name)
-            return LayerwiseRetrieve(request, FinishedLayerLoad(reg.layout.num_layers))
-        return await self._require_retriever().layerwise(request)
+        try:
+            request = await self._retrieve_request(
+                token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
+            )
+            self._counters.retrieve_layerwise_calls += 1
+            if isinstance(request, RetrieveResult):
+                reg = self._registration(model_name)
+                return LayerwiseRetrieve(request, FinishedLayerLoad(reg.layout.num_layers))
+            return await self._require_retriever().layerwise(request)
+        finally:
+            if isinstance(prefetch, PrefetchHandle):
+                prefetch.close()  # handed over: ended however the retrieve ends
 
     async def _retrieve_request(
         self,

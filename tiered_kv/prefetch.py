@@ -63,7 +63,7 @@ class PrefetchStats:
     """`PrefetchController.stats()`: the counters, and what is in flight now."""
 
     counters: PrefetchCounters  # a copy
-    in_flight: int  # loads not finished (queued + running)
+    in_flight: int  # loads not finished (queued + running), cancelled ones included
     running: int  # loads holding a tier slot
     queued: int  # loads waiting for a tier slot
     reserved_bytes: int  # L1 bytes held by prefetch reservations
@@ -121,6 +121,9 @@ class PrefetchController:
         }
         self._limits = [asyncio.Semaphore(self.read_slots[t.name.lower()]) for t in storage.lower]
         self._loads: dict[ChunkKey, _Load] = {}
+        # Loads cancelled and not yet ended: out of `_loads`, so a new reservation of the key
+        # starts a load of its own instead of joining one that will fail.
+        self._cancelling: set[_Load] = set()
         self._tasks: set[asyncio.Task[bool]] = set()
         self._handles: weakref.WeakSet[PrefetchClaims] = weakref.WeakSet()
         self._closed = False
@@ -187,6 +190,7 @@ class PrefetchController:
 
     def _finish(self, load: _Load, task: asyncio.Task[bool]) -> None:
         self._tasks.discard(task)
+        self._cancelling.discard(load)
         if self._loads.get(load.key) is load:
             del self._loads[load.key]
         load.obj.unref()  # the load's own reference; holders and L1 keep theirs
@@ -201,6 +205,9 @@ class PrefetchController:
         task = load.task
         if load.holders == 0 and task is not None and not task.done() and not keep_running:
             task.cancel()
+            if self._loads.get(load.key) is load:
+                del self._loads[load.key]
+                self._cancelling.add(load)
         self._maybe_settle(load)
 
     def _maybe_settle(self, load: _Load) -> None:
@@ -240,12 +247,13 @@ class PrefetchController:
         return claims
 
     def stats(self) -> PrefetchStats:
-        running = sum(1 for load in self._loads.values() if load.running)
+        loads = [*self._loads.values(), *self._cancelling]
+        running = sum(1 for load in loads if load.running)
         return PrefetchStats(
             counters=dataclasses.replace(self.counters),
-            in_flight=len(self._loads),
+            in_flight=len(loads),
             running=running,
-            queued=len(self._loads) - running,
+            queued=len(loads) - running,
             reserved_bytes=self.reserved_bytes,
             budget_bytes=self.l1_budget_bytes,
             live_handles=sum(1 for handle in self._handles if not handle.released),

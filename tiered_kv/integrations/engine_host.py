@@ -189,9 +189,12 @@ class EngineHost(SyncTieredKVEngine):
         claimed_tokens: int | None = None,
         salt: KeySalt | None = None,
         model_name: str | None = None,
+        request_id: str | None = None,
     ) -> RetrieveResult:
         """Retrieve the cached prefix into ``block_ids``. ``claimed_tokens`` (default: all of
-        ``token_ids``) is what the serving stack counts on; the counters measure against it."""
+        ``token_ids``) is what the serving stack counts on; the counters measure against it.
+        ``request_id``: the request whose lookup prefetched these tokens; the retrieve uses
+        that prefetch (and ends it) instead of joining its loads."""
         claimed = len(token_ids) if claimed_tokens is None else claimed_tokens
 
         async def load() -> RetrieveResult:
@@ -201,6 +204,7 @@ class EngineHost(SyncTieredKVEngine):
                 skip_prefix_tokens=skip_prefix_tokens,
                 salt=salt,
                 model_name=model_name,
+                prefetch=self._lookup_prefetch(request_id, model_name),
             )
             delivered = min(result.valid_tokens, claimed)
             self.counters.loads += 1
@@ -218,6 +222,7 @@ class EngineHost(SyncTieredKVEngine):
         skip_prefix_tokens: int,
         claimed_tokens: int | None = None,
         salt: KeySalt | None = None,
+        request_id: str | None = None,
     ) -> SyncLayerwiseRetrieve:
         """`load`, layer by layer: returns once the delivered prefix is decided (``result``)
         and its copies are enqueued; the model waits per layer (``wait_layer``)."""
@@ -225,7 +230,11 @@ class EngineHost(SyncTieredKVEngine):
 
         async def load() -> LayerwiseRetrieve:
             load = await self._engine.retrieve_layerwise(
-                token_ids, block_ids, skip_prefix_tokens=skip_prefix_tokens, salt=salt
+                token_ids,
+                block_ids,
+                skip_prefix_tokens=skip_prefix_tokens,
+                salt=salt,
+                prefetch=self._lookup_prefetch(request_id, None),
             )
             delivered = min(load.result.valid_tokens, claimed)
             self.counters.loads += 1
@@ -234,6 +243,21 @@ class EngineHost(SyncTieredKVEngine):
             return load
 
         return SyncLayerwiseRetrieve(self, self._call(load()))
+
+    def _lookup_prefetch(
+        self, request_id: str | None, model_name: str | None
+    ) -> PrefetchHandle | None:
+        """The open prefetch the request's lookup started for this layer group (None: no
+        lookup, or it has ended); the load's retrieve takes it over."""
+        lookup = None if request_id is None else self._lookups.get(request_id)
+        if lookup is None:
+            return None
+        names = [group.model_name for group in self._groups] or [self._model_name or ""]
+        name = model_name if model_name is not None else (self._model_name or "")
+        if name not in names:
+            return None
+        handle = lookup.handles[names.index(name)]
+        return None if handle.closed else handle
 
     def commit_store(self, saver: SyncLayerwiseStore) -> int:
         """Commit a layerwise store begun with `store_layerwise` (every layer saved); new

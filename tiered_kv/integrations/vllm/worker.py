@@ -196,6 +196,7 @@ class WorkerHalf:
                         skip_prefix_tokens=spec.skip_prefix_tokens,
                         claimed_tokens=end,
                         salt=KeySalt.from_wire(spec.salt),
+                        request_id=spec.request_id,
                     )
                     self._loads.append(load)
                     valid = load.result.valid_tokens
@@ -206,6 +207,7 @@ class WorkerHalf:
                         skip_prefix_tokens=spec.skip_prefix_tokens,
                         claimed_tokens=end,
                         salt=KeySalt.from_wire(spec.salt),
+                        request_id=spec.request_id,
                     ).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
@@ -254,6 +256,7 @@ class WorkerHalf:
                     claimed_tokens=end,
                     salt=salt,
                     model_name=self.settings.group_model_name(index),
+                    request_id=spec.request_id,
                 ).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
