@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
+from typing import Any
 
 import pytest
 
@@ -20,15 +22,18 @@ from tiered_kv.gpu.completion import (
 
 
 class TimedEvent:
-    """Completes at ``at`` (perf_counter seconds); records when it was queried."""
+    """Completes at ``at`` (perf_counter seconds); records when, and on which thread, it was
+    queried."""
 
     def __init__(self, at: float) -> None:
         self.at = at
         self.queries: list[float] = []
+        self.threads: list[int] = []
 
     def query(self) -> bool:
         now = time.perf_counter()
         self.queries.append(now)
+        self.threads.append(threading.get_ident())
         return now >= self.at
 
 
@@ -180,3 +185,127 @@ async def test_a_failing_poll_reaches_its_callback_and_the_waiter_keeps_serving(
         assert await asyncio.wait_for(fine, 5) is None
     finally:
         waiter.close()
+
+
+async def test_waiter_posts_the_early_callback_once_and_a_withdrawn_call_is_never_delivered() -> (
+    None
+):
+    loop = asyncio.get_running_loop()
+    waiter = CompletionWaiter()
+    try:
+        now = time.perf_counter()
+        event = TimedEvent(now + 0.030)
+        early: asyncio.Future[tuple[float, int]] = loop.create_future()
+        delivered: list[float] = []
+        handle = waiter.submit(
+            event,
+            now,
+            0.030,
+            loop,
+            lambda seen, _: delivered.append(seen),
+            early=lambda: early.set_result((time.perf_counter(), threading.get_ident())),
+            early_at=now + 0.010,
+        )
+        at, thread = await asyncio.wait_for(early, 5)
+        assert thread == threading.get_ident()  # on the loop's thread
+        assert now + 0.010 <= at < event.at  # at its time, before the event completed
+        assert not event.queries or min(event.queries) >= now + EARLY_FRACTION * 0.030
+        assert waiter.withdraw(handle)  # the submitter saw the event itself
+        assert not waiter.withdraw(handle)  # already gone
+        assert waiter.pending == 0
+        await asyncio.sleep(0.050)  # past the event's completion
+        assert delivered == []  # a withdrawn call is not delivered
+    finally:
+        waiter.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.observed: list[tuple[int, float]] = []
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        self.observed.append((nbytes, seconds))
+
+
+class _Buffers:
+    """A call's begun and done events, completing at set times."""
+
+    def __init__(self, begun_at: float, done_at: float) -> None:
+        self.begun, self.done = TimedEvent(begun_at), TimedEvent(done_at)
+        self.begun.elapsed_time = lambda end: 1e3 * (end.at - self.begun.at)  # type: ignore[attr-defined]
+
+
+def _tracked_call(begun_at: float, done_at: float) -> Any:
+    from tiered_kv.gpu.calls import Call
+
+    loop = asyncio.get_running_loop()
+    state = types.SimpleNamespace(buffers=[])
+    side = types.SimpleNamespace(clock=_Clock())
+    return Call(
+        direction="scatter",
+        state=state,  # type: ignore[arg-type]
+        side=side,  # type: ignore[arg-type]
+        buffers=_Buffers(begun_at, done_at),  # type: ignore[arg-type]
+        held=[],
+        nbytes=1 << 20,
+        result=loop.create_future(),
+        path="staging",
+        start=time.perf_counter(),
+    )
+
+
+async def test_a_caller_sees_its_call_end_on_the_loop_without_the_waiter_threads_sighting() -> None:
+    from tiered_kv.gpu.calls import SPIN_GRACE_S, CallTracker
+
+    tracker = CallTracker()
+    try:
+        now = time.perf_counter()
+        call = _tracked_call(now, now + 0.020)
+        tracker.submit(call, now, 0.020, asyncio.get_running_loop())
+        seen = await asyncio.wait_for(tracker.wait(call), 5)
+        assert call.buffers.done.at <= seen < call.buffers.done.at + SPIN_GRACE_S + 0.005
+        assert call.finished and call.result.result() == seen
+        assert tracker.waiter.pending == 0  # withdrawn: the thread does not see it again
+        assert call.side.clock.observed == [(1 << 20, pytest.approx(0.020))]
+        assert call.state.buffers == [call.buffers]  # released once
+        assert tracker.counters["scatter_staging_calls"] == 1
+        await asyncio.sleep(0.010)
+        assert tracker.counters["scatter_staging_calls"] == 1  # and finished once
+    finally:
+        await tracker.drain()
+        tracker.close()
+
+
+async def test_a_call_not_begun_or_far_behind_its_prediction_is_left_to_the_waiter() -> None:
+    """The caller watches only a call the GPU has begun, and only until the grace after its
+    predicted end; beyond that the waiter thread's sighting ends the wait (no loop spinning
+    for the length of someone else's work)."""
+    from tiered_kv.gpu.calls import SPIN_GRACE_S, CallTracker
+
+    tracker = CallTracker()
+    try:
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        behind = _tracked_call(now + 0.050, now + 0.060)  # waits on the caller's stream
+        slow = _tracked_call(now, now + 0.060)  # begun, but far slower than predicted
+        tracker.submit(behind, now, 0.005, loop)
+        tracker.submit(slow, now, 0.005, loop)
+        seen = await asyncio.wait_for(asyncio.gather(tracker.wait(behind), tracker.wait(slow)), 5)
+        for call, at in zip((behind, slow), seen, strict=True):
+            assert at >= call.buffers.done.at
+            assert call.finished
+        loop_thread = threading.get_ident()
+
+        def on_loop(event: TimedEvent) -> list[float]:
+            return [
+                q for q, t in zip(event.queries, event.threads, strict=True) if t == loop_thread
+            ]
+
+        assert on_loop(behind.buffers.done) == []  # not begun: never watched on the loop
+        # Begun: watched on the loop until the grace past its predicted end, not until its end
+        # (the bound leaves 40 ms for a slow machine; watching to the end would reach 60).
+        assert on_loop(slow.buffers.done)
+        assert max(on_loop(slow.buffers.done)) < now + 0.005 + SPIN_GRACE_S + 0.040
+    finally:
+        await tracker.drain()
+        tracker.close()

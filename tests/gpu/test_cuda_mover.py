@@ -402,6 +402,8 @@ async def test_cancelled_caller_leaves_objects_held_until_the_gpu_is_done(path: 
     mover, oracle = CudaMover(MoverOptions(path=path)), TorchMover()
     try:
         objs = _objects(arena, layout, 1024, 128)
+        # Planned first: planning uploads tables, which would wait for the matmuls below.
+        mover.prepare(layout)
         big = torch.randn(4096, 4096, device="cuda")
         for _ in range(20):  # the caller's stream is busy: the gather cannot have run yet
             big = big @ big

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,13 @@ from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
 from tiered_kv.gpu.plan import PATHS, LayoutPlan
 from tiered_kv.gpu.staging import Direction
 from tiered_kv.memory import MemoryObj
+
+# A caller awaiting its call (`CallTracker.wait`) is woken this long before the call's predicted
+# end, then watches the call's last event on the loop thread until this long after that end at
+# most (`SPIN_GRACE_S`): the last microseconds of a call are not paid twice (the waiter thread's
+# sighting, then the hop to the loop). Past the grace the waiter thread's sighting ends the wait.
+SPIN_LEAD_S = 100e-6
+SPIN_GRACE_S = 100e-6
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -47,6 +55,10 @@ class Call:
     after: Any = None  # event the paged-cache side waits for, instead of the caller's stream
     load: CudaLayerLoad | None = None  # a layerwise scatter's, with its per-layer events
     learn: bool = True  # teach the clock this call's rate (not for gathers with gaps)
+    predicted_end: float = 0.0  # perf_counter seconds, set when submitted
+    finished: bool = False  # `CallTracker._finish` has run (it runs once)
+    watch: object = None  # the waiter's handle of the submission
+    near: asyncio.Future[None] | None = None  # resolves shortly before the predicted end
 
     def open(self, plan: LayoutPlan, caller: torch.cuda.Stream, to_host: bool) -> None:
         """Order the call after the caller's queued work and record its ``begun`` event."""
@@ -127,6 +139,11 @@ def new_call(
     )
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def retrieved(result: asyncio.Future[float]) -> None:
     """A layerwise load's result may never be awaited: mark its exception as seen."""
     if not result.cancelled():
@@ -163,17 +180,56 @@ class CallTracker:
         once the waiter sees that event (polling from ``predicted`` seconds after
         ``predicted_start``)."""
         self._inflight.add(call)
-        self.waiter.submit(
+        call.predicted_end = predicted_start + predicted
+        call.near = loop.create_future()
+        call.watch = self.waiter.submit(
             call.buffers.done,
             predicted_start,
             predicted,
             loop,
             lambda seen, error: self._finish(call, seen, error),
+            early=functools.partial(_resolve, call.near),
+            early_at=call.predicted_end - SPIN_LEAD_S,
         )
 
+    async def wait(self, call: Call) -> float:
+        """The caller's wait for a submitted ``call``: asleep until shortly before its predicted
+        end, then watching its last event on the loop thread (`SPIN_LEAD_S`, `SPIN_GRACE_S`).
+        Returns when the call was seen done."""
+        near = call.near
+        far = call.predicted_end - time.perf_counter() > SPIN_LEAD_S
+        if near is not None and far and not near.done():
+            await near
+        if not call.finished:
+            self._watch(call)
+        return await call.result
+
+    def _watch(self, call: Call) -> None:
+        """Poll ``call``'s last event on this (the loop's) thread until it completes or the
+        grace after the predicted end runs out. Not for a call the GPU has not begun (it waits
+        behind the caller's work, which the prediction knows nothing of)."""
+        buffers = call.buffers
+        try:
+            if not buffers.begun.query():  # type: ignore[no-untyped-call]
+                return
+            deadline = max(call.predicted_end, time.perf_counter()) + SPIN_GRACE_S
+            while not buffers.done.query():  # type: ignore[no-untyped-call]
+                if time.perf_counter() > deadline:
+                    return
+        except Exception:  # a GPU fault: the waiter thread delivers it
+            return
+        self.waiter.withdraw(call.watch)
+        self._finish(call, time.perf_counter(), None)
+
     def _finish(self, call: Call, seen: float, error: BaseException | None) -> None:
-        """On the call's loop, once the waiter saw its last event (or a CUDA error polling it):
-        learn the rate, count, release, hand the caller its result."""
+        """On the call's loop, once its last event was seen (by the waiter thread, or by the
+        caller in `wait`), or a CUDA error polling it: learn the rate, count, release, hand the
+        caller its result. Runs once per call."""
+        if call.finished:
+            return
+        call.finished = True
+        if call.near is not None and not call.near.done():
+            call.near.set_result(None)
         buffers = call.buffers
         if call.trace is not None:
             call.trace["finish"] = time.perf_counter()

@@ -13,7 +13,9 @@ Waking a loop that has slept for the whole transfer took about 210 µs on the GP
 that was woken in the last few hundred microseconds wakes in about 60
 (`tools/diagnostics/wakeup.py`). So in the last `PREWAKE_LEAD_S` before the predicted end, the
 waiter also pokes the loop with a no-op every `PREWAKE_S`: a handful of empty loop iterations
-per call.
+per call. A submission may also ask for an early callback (``early``) at ``early_at``: the
+waiter posts it to the loop once, so that the loop is awake before the end and can watch the
+event itself (`CallTracker.wait`) instead of paying the thread's sighting and the hop back.
 """
 
 from __future__ import annotations
@@ -87,10 +89,12 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     callback: Callable[[float, BaseException | None], None]
     error: BaseException | None = None
+    early_at: float = math.inf
+    early: Callable[[], None] | None = None
 
     @property
     def next_due(self) -> float:
-        return min(self.next_poll, self.next_poke)
+        return min(self.next_poll, self.next_poke, self.early_at)
 
 
 class CompletionWaiter:
@@ -114,15 +118,22 @@ class CompletionWaiter:
         predicted_s: float,
         loop: asyncio.AbstractEventLoop,
         callback: Callable[[float, BaseException | None], None],
-    ) -> None:
+        *,
+        early: Callable[[], None] | None = None,
+        early_at: float = math.inf,
+    ) -> object:
         """Run ``callback(seen, None)`` on ``loop`` once ``event.query()`` is true; ``seen`` is
         the ``time.perf_counter()`` at which the thread saw it. If the query raises (a CUDA
         error), ``callback(seen, error)`` instead. The call is predicted to run from ``start``
-        for ``predicted_s`` (see `TransferClock`)."""
+        for ``predicted_s`` (see `TransferClock`). ``early``, if given, runs on ``loop`` once,
+        at ``early_at`` (perf_counter seconds) unless the event was seen before. Returns a
+        handle for `withdraw`."""
         end = start + predicted_s
         poll_at = start + EARLY_FRACTION * predicted_s
         late_at = poll_at + LATE_FRACTION * predicted_s + LATE_GRACE_S
         pending = _Pending(event, poll_at, end - PREWAKE_LEAD_S, late_at, POLL_S, loop, callback)
+        if early is not None:
+            pending.early, pending.early_at = early, early_at
         with self._cond:
             if self._closed:
                 raise RuntimeError("CompletionWaiter is closed")
@@ -131,6 +142,17 @@ class CompletionWaiter:
                 self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return pending
+
+    def withdraw(self, handle: object) -> bool:
+        """Stop watching a submission whose event its submitter saw complete itself. Returns
+        False if the thread has already taken it (its callback runs, or has run, regardless)."""
+        with self._cond:
+            try:
+                self._pending.remove(handle)  # type: ignore[arg-type]
+            except ValueError:
+                return False
+            return True
 
     def close(self) -> None:
         """Stop the thread once nothing is pending (callbacks of pending events still run)."""
@@ -164,6 +186,9 @@ class CompletionWaiter:
                 due = [p for p in self._pending if p.next_due <= now]
             finished = []
             for p in due:
+                if p.early_at <= now:
+                    p.early_at = math.inf
+                    _post(p.loop, p.early)
                 if p.next_poke <= now:
                     self.pokes += 1
                     p.next_poke = now + PREWAKE_S
@@ -198,8 +223,14 @@ def _noop() -> None:
 
 
 def _poke(loop: asyncio.AbstractEventLoop) -> None:
+    _post(loop, _noop)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[[], None] | None) -> None:
+    if fn is None:
+        return
     with contextlib.suppress(RuntimeError):  # closed: `_deliver` falls back to this thread
-        loop.call_soon_threadsafe(_noop)
+        loop.call_soon_threadsafe(fn)
 
 
 def _deliver(pending: _Pending, seen: float) -> None:

@@ -263,7 +263,7 @@ class CudaMover(KVMover):
             raise asyncio.CancelledError
         if load is not None:
             return
-        seen = await call.result
+        seen = await self._calls.wait(call)
         if self.trace is not None and call.trace is not None:
             trace = call.trace
             self.trace.append(

@@ -1,10 +1,10 @@
 """Does a synchronous device-to-host copy on one thread stall another thread's CUDA calls?
 
-``PYTHONPATH=. python3 tools/diagnostics/sync_stall.py`` (a CUDA machine). One thread keeps recording an
-event and waiting on another on its own stream (what the engine's loop thread does when it
-enqueues copies); the main thread queues about half a second of GEMMs and then waits for them
-in four ways. Prints, per way, the side thread's slowest call: with a plain ``.cpu()`` (a copy
-to pageable memory) the driver holds the side thread's calls until the GEMMs are done.
+``PYTHONPATH=. python3 tools/diagnostics/sync_stall.py`` (a CUDA machine). One thread keeps
+recording an event and waiting on another on its own stream (what the engine's loop thread does
+when it enqueues copies); the main thread queues about half a second of GEMMs and then waits for
+them in four ways. Prints, per way, the side thread's slowest call: with a plain ``.cpu()`` (a
+copy to pageable memory) the driver holds the side thread's calls until the GEMMs are done.
 """
 
 from __future__ import annotations

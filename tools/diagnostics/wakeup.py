@@ -1,8 +1,9 @@
 """How fast can another thread wake an idle asyncio loop? (What `CompletionWaiter` pays per call.)
 
-Run anywhere: ``PYTHONPATH=. python3 tools/diagnostics/wakeup.py``. For each way of waking, a loop sleeps in
-its selector for 20 ms while a thread (or a timer) fires; the figure is the median delay from
-the firing (the thread's call, or the timer's deadline) to the awaiting coroutine running.
+Run anywhere: ``PYTHONPATH=. python3 tools/diagnostics/wakeup.py``. For each way of waking, a
+loop sleeps in its selector for 20 ms while a thread (or a timer) fires; the figure is the
+median delay from the firing (the thread's call, or the timer's deadline) to the awaiting
+coroutine running.
 
 - ``thread``: a thread sleeps until T, then ``call_soon_threadsafe`` (what the mover does).
 - ``thread+prewake``: the same, but the thread also pokes the loop with a no-op every
