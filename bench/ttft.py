@@ -1018,7 +1018,7 @@ class Bench:
         # 0% cached: a full prefill of the fresh prompt (lookup misses).
         reference = self.resident_logits[(n, pct)] if pct else self.recompute_logits[(n, 0)]
         await self.runner.prepare(request, request.compute_from)
-        waited_before = engine.stats()["engine"]["retrieve_waited_seconds"]
+        waited_before = engine.stats().engine.retrieve_waited_seconds
         for i in self.run_indexes(times, reps):
             if reset is not None:
                 await reset()
@@ -1082,7 +1082,7 @@ class Bench:
                     times.append(elapsed)
         ttft = median(times)
         # Time retrieve spent waiting for loads (L2/L3 reads), per run: what the reads cost.
-        waited = engine.stats()["engine"]["retrieve_waited_seconds"] - waited_before
+        waited = engine.stats().engine.retrieve_waited_seconds - waited_before
         runs = len(times) + 1  # the correctness pass included
         load_bound = (
             loaded * self.opts.shape.kv_bytes_per_token / self.load_rate(tier) if loaded else None

@@ -353,10 +353,10 @@ async def _request(engine: TieredKVEngine) -> int:
 async def _settle(engine: TieredKVEngine) -> None:
     """Wait for loads (prefetches, probes) to end, then empty L1."""
     for _ in range(1000):
-        if engine.stats()["prefetch"]["in_flight"] == 0:
+        if engine.stats().prefetch.in_flight == 0:
             break
         await asyncio.sleep(0.005)
-    assert engine.stats()["prefetch"]["in_flight"] == 0
+    assert engine.stats().prefetch.in_flight == 0
     await engine.evict_l1()
 
 
@@ -374,9 +374,9 @@ async def test_the_engine_declines_a_slow_tier_and_claims_it_again_once_it_is_fa
         assert await _request(engine) == 0
         stats = engine.stats()
         name = tier.name.lower()
-        assert stats["storage"][f"{name}_declined_chunks"] == 8
-        assert stats["storage"][f"{name}_declined_saved_seconds"] > 0
-        assert stats["engine"]["cost_probes"] == 1
+        reads = stats.storage.tier(name).reads
+        assert reads.declined == 8 and reads.declined_saved_seconds > 0
+        assert stats.engine.cost_probes == 1
         # The tier becomes fast; the probes of its declined chunks measure it, and the claim
         # comes back.
         tier.get_delay_s = 0.0
@@ -397,7 +397,7 @@ async def test_a_tier_faster_than_recomputing_is_always_claimed() -> None:
     try:
         for _ in range(3):
             assert await _request(engine) == len(TOKENS)
-        assert engine.stats()["storage"][f"{tier.name.lower()}_declined_chunks"] == 0
+        assert engine.stats().storage.tier(tier.name).reads.declined == 0
     finally:
         await engine.aclose()
 
@@ -408,7 +408,7 @@ async def test_load_policy_always_claims_every_hit() -> None:
     try:
         for _ in range(2):
             assert await _request(engine) == len(TOKENS)
-        assert engine.stats()["engine"]["cost_probes"] == 0
+        assert engine.stats().engine.cost_probes == 0
     finally:
         await engine.aclose()
 
@@ -422,7 +422,7 @@ async def test_a_lookup_may_override_the_configured_policy() -> None:
         assert await _request(engine) == len(TOKENS)  # "always": its loads teach the model
         assert await engine.lookup(TOKENS, load_policy="cost") == 0
         await _settle(engine)
-        assert engine.stats()["storage"][f"{tier.name.lower()}_declined_chunks"] == 8
+        assert engine.stats().storage.tier(tier.name).reads.declined == 8
         assert await engine.lookup(TOKENS) == len(TOKENS)  # the config's "always" again
         await _settle(engine)
         with pytest.raises(ConfigError, match="load_policy: expected one of"):

@@ -48,8 +48,8 @@ def test_blocking_facade_round_trip_runs_its_own_loop_thread() -> None:
         expect_copy(caches, expected, reference, src, dst, range(10, 100), 16)
         assert caches.bytes_equal(expected)
         stats = engine.stats()
-        assert stats["engine"]["stored_tokens"] == 100
-        assert stats["storage"]["hits_l1"] == 4
+        assert stats.engine.stored_tokens == 100
+        assert stats.storage.l1_hits == 4
     assert not [t for t in threading.enumerate() if t.name == "tiered-kv-loop"]
     with pytest.raises(EngineStateError):
         engine.lookup(TOKENS)
@@ -63,7 +63,7 @@ def test_blocking_verbs_have_the_async_verbs_signatures() -> None:
     import tiered_kv.engine
 
     verbs = ["register_kv_caches", "store", "lookup", "flush"]
-    for name in [*verbs, "evict_l1", "stats", "metrics_text"]:
+    for name in [*verbs, "evict_l1", "stats"]:
         blocking, original = getattr(SyncTieredKVEngine, name), getattr(TieredKVEngine, name)
         assert inspect.signature(blocking) == inspect.signature(original), name
         assert blocking.__doc__ == original.__doc__, name
@@ -178,8 +178,8 @@ async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.store(TOKENS, list(range(7))) == 0
         stats = engine.stats()
-        assert stats["engine"]["store_skipped_no_space"] == 4
-        assert stats["arena"]["used"] == 0
+        assert stats.engine.store_skipped_no_space == 4
+        assert stats.arena.used == 0
 
 
 async def test_clean_close_flushes_pending_l2_writes(tmp_path: Path) -> None:
@@ -193,7 +193,7 @@ async def test_clean_close_flushes_pending_l2_writes(tmp_path: Path) -> None:
     assert engine.dropped_on_close == 0
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        assert engine.stats()["l2"]["entries"] == 19
+        assert engine.stats().tier("L2").entries == 19
         assert await engine.lookup(tokens) == 600
 
 
@@ -218,7 +218,7 @@ async def test_cancelled_retrieve_releases_every_reference() -> None:
         tier.delay_s = 0.0
         await engine.flush()
         await engine.evict_l1()
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
         tier.delay_s = 0.2
         task = asyncio.create_task(engine.retrieve(TOKENS, list(range(8, 15))))
         await asyncio.sleep(0.05)
@@ -227,7 +227,7 @@ async def test_cancelled_retrieve_releases_every_reference() -> None:
             await task
         await asyncio.sleep(0.3)  # let the shielded loads finish and drop their references
         await engine.evict_l1()
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
 
 
 async def test_cancelled_store_releases_its_staging_objects() -> None:
@@ -240,10 +240,10 @@ async def test_cancelled_store_releases_its_staging_objects() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(100):  # the worker thread finishes its copy, then releases
-            if engine.stats()["arena"]["used"] == 0:
+            if engine.stats().arena.used == 0:
                 break
             await asyncio.sleep(0.01)
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
         assert await engine.lookup(TOKENS) == 0  # nothing half-written became visible
 
 
@@ -257,8 +257,8 @@ async def test_lower_tier_failures_are_misses_not_errors() -> None:
         await engine.evict_l1()
         assert await engine.lookup(TOKENS) == 100  # the index says present
         assert (await engine.retrieve(TOKENS, list(range(8, 15)))).valid_tokens == 0
-        assert engine.stats()["storage"]["misses"] >= 1
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().storage.misses >= 1
+        assert engine.stats().arena.used == 0
 
 
 async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None:
@@ -283,12 +283,12 @@ async def test_retrieve_of_a_prefix_larger_than_l1_scatters_in_batches() -> None
         result = await engine.retrieve(TOKENS, dst)
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         stats = engine.stats()
-        assert stats["prefetch"]["stopped_budget"] >= 1  # lookup reserved only half of L1
-        assert stats["engine"]["retrieve_scatter_batches"] >= 3
+        assert stats.prefetch.counters.stopped_budget >= 1  # lookup reserved only half of L1
+        assert stats.engine.retrieve_scatter_batches >= 3
         expect_copy(caches, expected, reference, src, dst, range(100), 16)
         assert caches.bytes_equal(expected)
         await engine.evict_l1()
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
 
 
 async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error() -> None:
@@ -319,10 +319,10 @@ async def test_retrieve_under_l1_pressure_returns_a_shorter_prefix_not_an_error(
         result = await engine.retrieve(TOKENS, dst)
         assert (result.valid_tokens, result.cached_tokens) == (0, 100)
         assert result.stop_reason == "no_space" and result.recompute_tokens == 100
-        assert engine.stats()["storage"]["promotion_failures"] >= 1
+        assert engine.stats().storage.promotion_failures >= 1
         assert caches.bytes_equal(expected)  # nothing delivered, nothing written
         await engine.evict_l1()
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
 
 
 class _UnpreparableMover(TorchMover):

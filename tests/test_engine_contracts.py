@@ -94,7 +94,7 @@ async def test_a_hot_prefix_served_from_l1_survives_l2_eviction_and_a_restart(
     async with TieredKVEngine(config()) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(system) == CHUNK, "lost after the restart"
-        assert engine.stats()["storage"]["touches_sent"] == 0  # nothing hit in L1 yet
+        assert engine.stats().storage.touches_sent == 0  # nothing hit in L1 yet
 
 
 async def test_close_with_calls_in_flight_keeps_what_was_reported_stored(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ async def test_block_ids_that_are_not_ints_are_refused(block_ids: object, fragme
         for call in (engine.store, engine.retrieve):
             with pytest.raises(LayoutError, match=re.escape(fragment)):
                 await call(_tokens(CHUNK), block_ids)  # type: ignore[operator]
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
 
 
 async def test_integer_block_ids_of_every_kind_are_accepted() -> None:

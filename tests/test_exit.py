@@ -69,7 +69,7 @@ def test_a_script_that_never_closes_its_engine_keeps_its_writes(tmp_path: Path) 
         assert engine.lookup(TOKENS) == len(TOKENS)
         poison_blocks(caches, DST)
         assert engine.retrieve(TOKENS, DST).valid_tokens == len(TOKENS)
-        assert engine.stats()["l2"]["hits"] == 12
+        assert engine.stats().tier("L2").hits == 12
     for layer, physical in enumerate(caches.physical):
         assert torch.equal(
             physical[:, DST].view(torch.uint8), reference[layer][0][:, SRC].view(torch.uint8)

@@ -107,8 +107,8 @@ async def test_layerwise_retrieve_writes_what_a_whole_retrieve_writes(
             assert load.done()
             expect_copy(caches, expected, reference, src, dst, range(skip, num_tokens), BLOCK)
             assert caches.bytes_equal(expected), f"skip={skip}"
-        stats = engine.stats()["engine"]
-        assert stats["retrieve_layerwise_calls"] == 3
+        stats = engine.stats().engine
+        assert stats.retrieve_layerwise_calls == 3
     assert engine.leaked_on_close == 0
 
 
@@ -234,8 +234,8 @@ async def test_layerwise_store_is_invisible_until_commit_and_round_trips() -> No
         again = await engine.store_layerwise(tokens, src)
         assert again.new_tokens == 0
         assert await again.commit() == 0  # nothing new: no layer needs saving
-        stats = engine.stats()["engine"]
-        assert stats["store_layerwise_calls"] == 2 and stats["stored_tokens"] == 72
+        stats = engine.stats().engine
+        assert stats.store_layerwise_calls == 2 and stats.stored_tokens == 72
     assert engine.leaked_on_close == 0
 
 
@@ -244,20 +244,20 @@ async def test_a_store_with_a_missing_layer_or_aborted_or_open_at_close_stores_n
     tokens = _tokens(64)
     async with TieredKVEngine(_config()) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        baseline = engine.stats()["arena"]["used"]
+        baseline = engine.stats().arena.used
         saver = await engine.store_layerwise(tokens, [0, 1, 2, 3])
         saver.save_layer(0)
         with pytest.raises(EngineStateError, match=r"layers \[1\] were never saved"):
             await saver.commit()
         assert await engine.lookup(tokens) == 0
-        assert engine.stats()["arena"]["used"] == baseline
+        assert engine.stats().arena.used == baseline
         aborted = await engine.store_layerwise(tokens, [0, 1, 2, 3])
         aborted.save_layer(0)
         aborted.save_layer(1)
         await aborted.abort()
         await aborted.abort()  # idempotent
         assert await engine.lookup(tokens) == 0
-        assert engine.stats()["arena"]["used"] == baseline
+        assert engine.stats().arena.used == baseline
         left_open = await engine.store_layerwise(tokens, [0, 1, 2, 3])
         left_open.save_layer(1)
     assert engine.leaked_on_close == 0  # the open store was aborted at close

@@ -1,4 +1,4 @@
-"""Typed metrics and their Prometheus text: names, labels, values from a real run, parsing."""
+"""The statistics snapshot and its Prometheus text: names, labels, real values, parsing."""
 
 from __future__ import annotations
 
@@ -11,16 +11,7 @@ import torch
 
 from tests.kvfactory import make_caches
 from tiered_kv import EngineConfig, SyncTieredKVEngine, TieredKVEngine
-from tiered_kv.metrics import (
-    EngineStats,
-    MetricFamily,
-    Sample,
-    engine_metrics,
-    parse_prometheus,
-    render_prometheus,
-    stats_dict,
-    throughput_gbps,
-)
+from tiered_kv.metrics import EngineCounters, EngineStats, parse_prometheus
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
 TOKENS = list(range(1000, 1100))
@@ -46,18 +37,19 @@ async def _exercised_engine(engine: TieredKVEngine, tier: FaultyTier) -> None:
     assert await engine.lookup(list(range(5000, 5100))) == 0
 
 
-async def test_metrics_text_parses_and_carries_the_engine_numbers() -> None:
+async def test_prometheus_text_parses_and_carries_the_engine_numbers() -> None:
     tier = FaultyTier(MemoryTier(), get_delay_s=0.01)
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
         await _exercised_engine(engine, tier)
-        text = engine.metrics_text()
         stats = engine.stats()
+    text = stats.to_prometheus()
     samples = parse_prometheus(text)
 
     def value(name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted(labels.items())))]
 
-    assert value("tiered_kv_hits_total", tier="l1") == stats["storage"]["hits_l1"] == 4
+    assert stats.storage is not None and stats.l1 is not None
+    assert value("tiered_kv_hits_total", tier="l1") == stats.storage.l1_hits == 4
     assert value("tiered_kv_hits_total", tier="l2") == 4
     assert value("tiered_kv_lookup_chunks_total", tier="l2") == 8  # the lookup's, the prefetch's
     assert value("tiered_kv_lookup_misses_total") == 1
@@ -72,11 +64,11 @@ async def test_metrics_text_parses_and_carries_the_engine_numbers() -> None:
     assert value("tiered_kv_writes_total", tier="l2", result="done") == 4
     assert (
         value("tiered_kv_transfer_bytes_total", path="l2_to_l1")
-        == stats["storage"]["l2_read_bytes"]
+        == stats.storage.tier("L2").reads.bytes_read
     )
     assert value("tiered_kv_transfer_bytes_total", path="l1_to_device") > 0
     assert value("tiered_kv_throughput_gbps", path="l1_to_l2") > 0
-    assert value("tiered_kv_occupancy_bytes", tier="l1") == stats["l1"]["bytes_used"]
+    assert value("tiered_kv_occupancy_bytes", tier="l1") == stats.l1.bytes_used
     assert value("tiered_kv_occupancy_bytes", tier="l2") > 0
     assert value("tiered_kv_capacity_bytes", tier="l1") == 8 * 1024 * 1024
     assert value("tiered_kv_retrieved_tokens_total") == 200
@@ -90,20 +82,14 @@ async def test_throughput_section_reports_gb_per_second_per_path(tmp_path: objec
     tier = FaultyTier(MemoryTier())
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
         await _exercised_engine(engine, tier)
-        snapshot = engine.statistics()
-        stats = engine.stats()
-    throughput = stats["throughput"]
-    assert set(throughput) >= {
-        "device_to_l1_gbps",
-        "l1_to_device_gbps",
-        "l1_to_l2_gbps",
-        "l2_to_l1_gbps",
-    }
+        snapshot = engine.stats()
+    throughput = snapshot.throughput_gbps()
+    assert set(throughput) >= {"device_to_l1", "l1_to_device", "l1_to_l2", "l2_to_l1"}
     assert all(v > 0 and math.isfinite(v) for v in throughput.values())
-    assert throughput == throughput_gbps(snapshot) == stats_dict(snapshot)["throughput"]
-    families = {family.name: family for family in engine_metrics(snapshot)}
-    hits = families["tiered_kv_hits"]
-    assert hits.kind == "counter" and hits.value(tier="l1") == 4
+    assert snapshot.as_dict()["throughput"] == {f"{k}_gbps": v for k, v in throughput.items()}
+    samples = parse_prometheus(snapshot.to_prometheus())
+    for path, gbps in throughput.items():
+        assert samples[("tiered_kv_throughput_gbps", (("path", path),))] == pytest.approx(gbps)
 
 
 def test_prometheus_client_parser_accepts_our_text() -> None:
@@ -112,7 +98,7 @@ def test_prometheus_client_parser_accepts_our_text() -> None:
         engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
         engine.store(TOKENS, SRC)
         engine.flush()
-        text = engine.metrics_text()
+        text = engine.stats().to_prometheus()
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}
     assert families["tiered_kv_hits"].type == "counter"
     assert families["tiered_kv_write_queue_depth"].type == "gauge"
@@ -135,34 +121,31 @@ def test_prometheus_client_collector_exports_the_same_families() -> None:
         engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
         engine.store(TOKENS, SRC)
         registry = CollectorRegistry()
-        registry.register(PrometheusCollector(engine.statistics))
+        registry.register(PrometheusCollector(engine.stats))
         exported = parse_prometheus(generate_latest(registry).decode())
-        ours = parse_prometheus(engine.metrics_text())
+        ours = parse_prometheus(engine.stats().to_prometheus())
         # The dict view is for reading; metrics come from the typed snapshot only.
         wrong = CollectorRegistry()
-        wrong.register(PrometheusCollector(engine.stats))  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match=r"pass engine\.statistics"):
+        wrong.register(PrometheusCollector(lambda: engine.stats().as_dict()))  # type: ignore[arg-type,return-value]
+        with pytest.raises(TypeError, match=r"pass engine\.stats"):
             generate_latest(wrong)
     assert ours == exported
 
 
-def test_render_escapes_labels_and_formats_values() -> None:
-    family = MetricFamily(
-        "tiered_kv_test",
-        "gauge",
-        'a "quoted"\nhelp',
-        (
-            Sample((("tier", 'odd"\\name\n'),), 1.5),
-            Sample((("tier", "x"),), float("inf")),
-            Sample((), 3.0),
-        ),
-    )
-    text = render_prometheus([family])
-    assert 'tiered_kv_test{tier="odd\\"\\\\name\\n"} 1.5' in text
-    assert "tiered_kv_test 3\n" in text
-    parsed = parse_prometheus(text)
-    assert parsed[("tiered_kv_test", (("tier", 'odd"\\name\n'),))] == 1.5
-    assert parsed[("tiered_kv_test", (("tier", "x"),))] == float("inf")
+async def test_prometheus_text_escapes_labels_and_formats_values() -> None:
+    odd = 'odd"\\name\n'  # a custom tier's name becomes a label value as it is (lower-cased)
+    async with TieredKVEngine(_config(), lower_tiers=[MemoryTier(name=odd)]) as engine:
+        engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
+        await engine.store(TOKENS, SRC)
+        await engine.flush()
+        text = engine.stats().to_prometheus()
+    assert 'tiered_kv_entries{tier="odd\\"\\\\name\\n"} 4' in text
+    assert parse_prometheus(text)[("tiered_kv_entries", (("tier", odd),))] == 4
+    # Whole numbers print as integers, others as floats.
+    text = EngineStats(EngineCounters(store_calls=3)).to_prometheus()
+    assert "tiered_kv_store_calls_total 3\n" in text
+    text = EngineStats(EngineCounters(stored_tokens=1.5)).to_prometheus()  # type: ignore[arg-type]
+    assert parse_prometheus(text)[("tiered_kv_stored_tokens_total", ())] == 1.5
 
 
 @pytest.mark.parametrize(
@@ -180,19 +163,12 @@ def test_parser_rejects_malformed_text(text: str) -> None:
         parse_prometheus(text)
 
 
-def test_metric_family_validates_names_and_kinds() -> None:
-    with pytest.raises(ValueError, match="invalid metric name"):
-        MetricFamily("9bad", "gauge", "", ())
-    with pytest.raises(ValueError, match="kind"):
-        MetricFamily("ok", "summary", "", ())  # type: ignore[arg-type]
-
-
-async def test_stats_keep_the_sections_the_demo_reads() -> None:
+async def test_the_dict_view_keeps_the_sections_the_demo_reads() -> None:
     async with TieredKVEngine(_config(), lower_tiers=[MemoryTier()]) as engine:
         engine.register_kv_caches(make_caches("mla", torch.float16).entries, model_name="m")
         await engine.store(TOKENS, SRC)
         await asyncio.sleep(0)
-        stats = engine.stats()
+        stats = engine.stats().as_dict()
     for section in ("engine", "l1", "storage", "arena", "mover", "prefetch", "throughput"):
         assert section in stats
     assert {"hits_l1", "misses", "promotion_failures"} <= set(stats["storage"])
@@ -220,26 +196,26 @@ async def test_path_throughput_is_over_busy_time_not_summed_latencies() -> None:
         await asyncio.sleep(hold)
         tier.gate.set()
         assert await engine.flush() == 0
-        storage = engine.stats()["storage"]
-        name = tier.name.lower()
-        summed, busy = storage[f"{name}_write_seconds"], storage[f"{name}_write_busy_seconds"]
-        assert storage[f"{name}_write_done"] == 4
+        stats = engine.stats()
+        writes = stats.storage.tier(tier.name).writes
+        summed, busy = writes.write_seconds, writes.busy_seconds
+        assert writes.done == 4
         assert busy >= hold
         assert summed - busy >= hold, (busy, summed)  # the overlap was counted once
-        gbps = engine.stats()["throughput"][f"l1_to_{name}_gbps"]
-        assert gbps == pytest.approx(storage[f"{name}_write_bytes"] / busy / 1e9)
+        gbps = stats.throughput_gbps()[f"l1_to_{tier.name.lower()}"]
+        assert gbps == pytest.approx(writes.bytes_written / busy / 1e9)
 
 
-async def test_statistics_are_typed_snapshots_and_stats_is_their_dict_view() -> None:
-    """Each component hands out a frozen stats dataclass; engine.stats() is derived from them,
+async def test_stats_are_a_typed_snapshot_and_its_views_derive_from_it() -> None:
+    """Each component hands out a frozen stats dataclass; engine.stats() takes them together,
     so a tier named like a counter ("misses") cannot confuse the derived numbers."""
     tier = FaultyTier(MemoryTier(name="misses"))
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
         await _exercised_engine(engine, tier)
-        snapshot = engine.statistics()
+        snapshot = engine.stats()
         assert isinstance(snapshot, EngineStats)
-        assert stats_dict(snapshot) == engine.stats()
-        families = {family.name: family for family in engine.metrics()}
+        assert snapshot.as_dict() == engine.stats().as_dict()
+    samples = parse_prometheus(snapshot.to_prometheus())
     assert snapshot.storage is not None and snapshot.l1 is not None
     with pytest.raises(dataclasses.FrozenInstanceError):
         snapshot.storage.misses = 5  # type: ignore[misc]
@@ -247,12 +223,12 @@ async def test_statistics_are_typed_snapshots_and_stats_is_their_dict_view() -> 
     assert traffic.name == "misses" and traffic.reads.hits == 4
     assert traffic.writes is not None and traffic.writes.done == 4
     assert snapshot.storage.misses == 0
-    assert dict(snapshot.lower)["misses"].entries == 4
+    assert snapshot.tier("MISSES").entries == 4 and snapshot.storage.tier("Misses") is traffic
     # The tier's name never collides with the counter of the same name.
-    assert families["tiered_kv_misses"].value() == 0
-    assert families["tiered_kv_hits"].value(tier="misses") == 4
-    assert families["tiered_kv_writes"].value(tier="misses", result="done") == 4
-    assert families["tiered_kv_entries"].value(tier="misses") == 4
+    assert samples[("tiered_kv_misses_total", ())] == 0
+    assert samples[("tiered_kv_hits_total", (("tier", "misses"),))] == 4
+    assert samples[("tiered_kv_writes_total", (("result", "done"), ("tier", "misses")))] == 4
+    assert samples[("tiered_kv_entries", (("tier", "misses"),))] == 4
     # A closed engine still answers, from the sections that remain.
-    closed = engine.statistics()
+    closed = engine.stats()
     assert closed.storage is None and closed.engine.retrieve_calls == 2

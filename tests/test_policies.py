@@ -42,10 +42,10 @@ async def _populate(engine: TieredKVEngine, caches: KVCaches, tier: FaultyTier) 
 async def _no_leak(engine: TieredKVEngine) -> None:
     for _ in range(400):
         await engine.evict_l1()
-        if engine.stats()["arena"]["used"] == 0:
+        if engine.stats().arena.used == 0:
             return
         await asyncio.sleep(0.005)
-    raise AssertionError(f"references leaked: {engine.stats()['arena']}")
+    raise AssertionError(f"references leaked: {engine.stats().arena}")
 
 
 # -- prefetch policies ----------------------------------------------------------------------
@@ -60,11 +60,11 @@ async def test_best_effort_uses_only_what_is_ready_and_reports_the_rest(
         assert (result.valid_tokens, result.cached_tokens) == (0, 100)
         assert result.stop_reason == "late" and result.late_chunks == (0, 1, 2, 3)
         assert result.policy == "best_effort" and result.waited_s == 0.0
-        assert e.stats()["prefetch"]["late"] == 4
-        assert e.stats()["engine"]["retrieve_late_tokens"] == 100
+        assert e.stats().prefetch.counters.late == 4
+        assert e.stats().engine.retrieve_late_tokens == 100
         # The reads already under way were kept: they land in L1 for the next request.
         await asyncio.sleep(0.4)
-        assert e.stats()["l1"]["entries"] == 4
+        assert e.stats().l1.entries == 4
         assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
         await _no_leak(e)
 
@@ -154,7 +154,7 @@ async def test_write_through_writes_at_store(caches: KVCaches) -> None:
         await e.store(TOKENS, SRC)
         await e.flush()
         assert tier.stats().entries == 4
-        assert e.stats()["storage"]["l2_write_done"] == 4
+        assert e.stats().storage.tier("L2").writes.done == 4
 
 
 async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
@@ -167,13 +167,13 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
         await e.store(TOKENS, SRC)
         await e.flush()
         assert inner.stats().entries == 0  # nothing written at store
-        assert e.stats()["l1"]["dirty"] == 4
+        assert e.stats().l1.dirty == 4
         tier.gate = asyncio.Event()  # hold the demotions in flight
         await e.evict_l1()
         stats = e.stats()
-        assert stats["l1"]["entries"] == 0 and stats["storage"]["l2_write_demoted"] == 4
-        assert stats["storage"]["demoting"] == 4
-        assert stats["arena"]["used"] > 0  # the write queue holds the bytes until written
+        assert stats.l1.entries == 0 and stats.storage.tier("L2").writes.demoted == 4
+        assert stats.storage.demoting == 4
+        assert stats.arena.used > 0  # the write queue holds the bytes until written
         # Evicted but not yet written: still served, from the demotion's copy.
         assert await e.lookup(TOKENS) == 100
         reference = caches.snapshot()
@@ -186,9 +186,9 @@ async def test_write_back_demotes_on_eviction_and_never_loses_a_chunk(
         await e.flush()
         assert inner.stats().entries == 4
         stats = e.stats()
-        assert stats["storage"]["demoting"] == 0 and stats["l1"]["dirty"] == 0
+        assert stats.storage.demoting == 0 and stats.l1.dirty == 0
         await e.evict_l1()  # clean now: evicting queues nothing more
-        assert e.stats()["storage"]["l2_write_demoted"] == 4
+        assert e.stats().storage.tier("L2").writes.demoted == 4
         await _no_leak(e)
         assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100  # from the tier now
 
@@ -207,9 +207,9 @@ async def test_write_back_with_a_full_queue_refuses_eviction_instead_of_dropping
         await asyncio.sleep(0.01)  # the two writers take one each...
         await e.evict_l1()  # ...which makes room for one more
         stats = e.stats()
-        assert stats["storage"]["l2_write_demotions_refused"] >= 1
-        assert stats["storage"]["l2_write_dropped_full"] == 0
-        assert stats["l1"]["entries"] >= 1  # refused chunks stay in L1, dirty
+        writes = stats.storage.tier("L2").writes
+        assert writes.demotions_refused >= 1 and writes.dropped_full == 0
+        assert stats.l1.entries >= 1  # refused chunks stay in L1, dirty
         tier.gate.set()
         for _ in range(4):  # each round demotes what the queue accepts; the rest waits in L1
             await e.flush()
@@ -224,11 +224,11 @@ async def test_write_back_demotes_dirty_chunks_at_close(tmp_path: Path, caches: 
     async with TieredKVEngine(config) as e:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await e.store(TOKENS, SRC)
-        assert e.stats()["l2"]["entries"] == 0
+        assert e.stats().tier("L2").entries == 0
     assert e.dropped_on_close == 0 and e.leaked_on_close == 0
     async with TieredKVEngine(config) as e:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        assert e.stats()["l2"]["entries"] == 4
+        assert e.stats().tier("L2").entries == 4
         assert await e.lookup(TOKENS) == 100
         assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
 
@@ -247,7 +247,7 @@ async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
         assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100  # 0, 1: second hit; 2, 3: first
         await e.flush()
         assert tier.stats().entries == 2
-        assert e.stats()["storage"]["l2_write_admitted"] == 2
+        assert e.stats().storage.tier("L2").writes.admitted == 2
         assert (await e.retrieve(TOKENS, DST)).valid_tokens == 100
         await e.flush()
         assert tier.stats().entries == 4
@@ -255,8 +255,8 @@ async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
             await e.retrieve(TOKENS, DST)
         ).valid_tokens == 100  # already there: not written again
         await e.flush()
-        stats = e.stats()["storage"]
-        assert (stats["l2_write_admitted"], stats["l2_write_done"], tier.puts) == (4, 4, 4)
+        writes = e.stats().storage.tier("L2").writes
+        assert (writes.admitted, writes.done, tier.puts) == (4, 4, 4)
 
 
 async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCaches) -> None:
@@ -291,9 +291,9 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         # A hang guard, not a timing claim: store must not wait for the stuck tier.
         assert await asyncio.wait_for(e.store(TOKENS, SRC), 5.0) == 100
-        stats = e.stats()["storage"]
-        assert stats["l2_write_dropped_full"] == 3  # one queued, three dropped, none waited
-        assert stats["l2_write_pending"] == 1
+        writes = e.stats().storage.tier("L2").writes
+        assert writes.dropped_full == 3  # one queued, three dropped, none waited
+        assert writes.pending == 1
         tier.gate.set()
         await e.flush()
         assert inner.stats().entries == 1
@@ -367,7 +367,7 @@ async def test_prefetch_takes_each_tier_s_own_parallelism_unless_the_config_sets
             _config(prefetch_concurrency=concurrency), lower_tiers=[tier]
         ) as engine:
             assert tier.read_parallelism == 3
-            assert engine.stats()["prefetch"]["read_slots_l2"] == expected
+            assert engine.stats().prefetch.read_slots["l2"] == expected
 
 
 async def test_lookup_loads_nothing_and_retrieve_loads_what_it_needs(caches: KVCaches) -> None:
@@ -375,7 +375,7 @@ async def test_lookup_loads_nothing_and_retrieve_loads_what_it_needs(caches: KVC
     async with TieredKVEngine(_config(), lower_tiers=[tier]) as e:
         await _populate(e, caches, tier)
         assert await e.lookup(TOKENS) == 100
-        assert e.stats()["prefetch"]["loads_started"] == 0
+        assert e.stats().prefetch.counters.loads_started == 0
         assert (
             await e.retrieve(TOKENS, DST)
         ).valid_tokens == 100  # wait_complete loads at retrieve

@@ -39,7 +39,7 @@ async def _populate(engine: TieredKVEngine, tier: FaultyTier, tokens: list[int] 
     await engine.flush()
     await engine.evict_l1()
     tier.delay_s, tier.get_delay_s = delay
-    assert engine.stats()["arena"]["used"] == 0
+    assert engine.stats().arena.used == 0
 
 
 async def _settle(engine: TieredKVEngine) -> None:
@@ -49,12 +49,12 @@ async def _settle(engine: TieredKVEngine) -> None:
     for _ in range(400):
         await engine.evict_l1()
         stats = engine.stats()
-        if stats["prefetch"]["in_flight"] == 0 and stats["arena"]["used"] == 0:
+        if stats.prefetch.in_flight == 0 and stats.arena.used == 0:
             break
         await asyncio.sleep(0.005)
-    assert stats["prefetch"]["in_flight"] == 0
-    assert stats["prefetch"]["reserved_bytes"] == 0
-    assert stats["arena"]["used"] == 0, "a reservation or reference leaked"
+    assert stats.prefetch.in_flight == 0
+    assert stats.prefetch.reserved_bytes == 0
+    assert stats.arena.used == 0, "a reservation or reference leaked"
 
 
 @pytest.fixture
@@ -82,14 +82,14 @@ async def test_a_prefetch_hides_the_latency_when_lead_time_allows(
     expected = caches.snapshot()
     handle = await engine.prefetch(TOKENS)
     assert handle.hit_tokens == 100
-    assert engine.stats()["prefetch"]["loads_started"] == 4
+    assert engine.stats().prefetch.counters.loads_started == 4
     await asyncio.sleep(0.3)  # lead time: the scheduler's gap between prefetch and retrieve
     result = await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert (result.valid_tokens, result.stop_reason) == (100, "complete")
     assert handle.closed  # the retrieve it was given to ended it
     assert result.waited_s == 0.0
-    stats = engine.stats()["prefetch"]
-    assert (stats["ready_in_time"], stats["ready_after_wait"]) == (4, 0)
+    stats = engine.stats().prefetch
+    assert (stats.counters.ready_in_time, stats.counters.ready_after_wait) == (4, 0)
     expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
     assert caches.bytes_equal(expected)
     assert tier.calls["get"] == 4
@@ -103,10 +103,8 @@ async def test_without_lead_time_retrieve_waits_for_the_same_loads(
     handle = await engine.prefetch(TOKENS)
     result = await engine.retrieve(TOKENS, DST, prefetch=handle)  # wait_complete by default
     assert result.valid_tokens == 100 and result.waited_s > 0
-    stats = engine.stats()["prefetch"]
-    assert (
-        stats["ready_after_wait"] >= 1 and stats["ready_in_time"] + stats["ready_after_wait"] == 4
-    )
+    stats = engine.stats().prefetch.counters
+    assert stats.ready_after_wait >= 1 and stats.ready_in_time + stats.ready_after_wait == 4
     assert tier.calls["get"] == 4  # retrieve used the handle's loads, it did not start its own
     await _settle(engine)
 
@@ -120,9 +118,9 @@ async def test_concurrent_prefetches_of_one_prefix_share_their_loads(
     second = await engine.prefetch(TOKENS)
     other = await engine.prefetch(TOKENS[:64] + list(range(5000, 5040)))  # shares 2 chunks
     assert await engine.lookup(TOKENS) == 100  # loads nothing
-    stats = engine.stats()["prefetch"]
-    assert stats["loads_started"] == 4
-    assert stats["loads_deduplicated"] == 4 + 2
+    stats = engine.stats().prefetch
+    assert stats.counters.loads_started == 4
+    assert stats.counters.loads_deduplicated == 4 + 2
     assert not first.done() and first.ready_tokens() == 0
     tier.gate.set()
     assert await first == 100
@@ -144,7 +142,7 @@ async def test_a_gap_ends_the_prefix_and_nothing_past_it_is_loaded(
     assert await engine.lookup(TOKENS) == 32
     handle = await engine.prefetch(TOKENS)
     assert handle.hit_tokens == 32
-    assert engine.stats()["prefetch"]["loads_started"] == 1
+    assert engine.stats().prefetch.counters.loads_started == 1
     result = await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert (result.valid_tokens, result.cached_tokens, result.stop_reason) == (32, 32, "gap")
     assert tier.calls["get"] == 1
@@ -176,8 +174,8 @@ async def test_a_failed_load_ends_the_delivered_prefix_and_is_reported(
         assert (result.stop_reason, result.failed_chunks) == ("failed", (1,))
         assert result.cached_tokens == 100 and result.recompute_tokens == 68
         stats = engine.stats()
-        assert stats["prefetch"]["failed"] == 1
-        assert stats["engine"]["retrieve_failed_tokens"] == 68
+        assert stats.prefetch.counters.failed == 1
+        assert stats.engine.retrieve_failed_tokens == 68
         await _settle(engine)
     assert engine.leaked_on_close == 0
 
@@ -195,13 +193,13 @@ async def test_prefetch_stops_under_l1_pressure_and_never_evicts_referenced_chun
         await engine.evict_l1()
         tier.gate = asyncio.Event()
         handle = await engine.prefetch(TOKENS)
-        stats = engine.stats()["prefetch"]
-        assert stats["loads_started"] == 2 and stats["stopped_budget"] == 1  # half of L1
+        stats = engine.stats().prefetch.counters
+        assert stats.loads_started == 2 and stats.stopped_budget == 1  # half of L1
         assert handle.reserved_chunks() == 2
         tier.gate.set()
         assert await handle == 64  # the reserved part; the rest is loaded by retrieve
         assert await engine.evict_l1() == 0  # both chunks are referenced by the handle
-        assert engine.stats()["l1"]["entries"] == 2
+        assert engine.stats().l1.entries == 2
         # Everything the handle does not hold may be evicted; what it holds never is.
         other = await engine.prefetch(TOKENS)
         assert other.reserved_chunks() == 0  # the budget is spent: stop rather than thrash
@@ -225,7 +223,7 @@ async def test_each_registration_prefetches_with_its_own_layout() -> None:
         await engine.flush()
         await engine.evict_l1()
         handles = {model: await engine.prefetch(TOKENS, model_name=model) for model in "ab"}
-        assert engine.stats()["prefetch"]["loads_started"] == 8
+        assert engine.stats().prefetch.counters.loads_started == 8
         for caches, model in ((bf16, "a"), (mla, "b")):
             reference = caches.snapshot()
             poison_blocks(caches, DST)
@@ -244,8 +242,8 @@ async def test_lookup_loads_nothing_and_holds_nothing(
     for _ in range(5):
         assert await engine.lookup(TOKENS) == 100
     stats = engine.stats()
-    assert stats["prefetch"]["loads_started"] == 0 and stats["prefetch"]["live_handles"] == 0
-    assert tier.calls["get"] == 0 and stats["arena"]["used"] == 0
+    assert stats.prefetch.counters.loads_started == 0 and stats.prefetch.live_handles == 0
+    assert tier.calls["get"] == 0 and stats.arena.used == 0
     assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 100  # retrieve loads itself
     assert tier.calls["get"] == 4
     await _settle(engine)
@@ -260,7 +258,7 @@ async def test_a_retrieve_that_skips_every_chunk_closes_the_prefetch_it_is_given
     engine, _ = setup
     prompt = TOKENS[:96]  # three whole chunks
     handle = await engine.prefetch(prompt)
-    assert engine.stats()["prefetch"]["live_handles"] == 1
+    assert engine.stats().prefetch.live_handles == 1
     if layerwise:
         load = await engine.retrieve_layerwise(prompt, DST, skip_prefix_tokens=96, prefetch=handle)
         assert load.result.valid_tokens == 96
@@ -268,7 +266,7 @@ async def test_a_retrieve_that_skips_every_chunk_closes_the_prefetch_it_is_given
     else:
         result = await engine.retrieve(prompt, DST, skip_prefix_tokens=96, prefetch=handle)
         assert result.valid_tokens == 96
-    assert engine.stats()["prefetch"]["live_handles"] == 0 and handle.closed
+    assert engine.stats().prefetch.live_handles == 0 and handle.closed
     await _settle(engine)
 
 
@@ -280,7 +278,7 @@ async def test_a_handle_ends_with_its_async_with_block(
     async with await engine.prefetch(TOKENS) as handle:
         assert handle.reserved_chunks() == 4 and not handle.closed
     assert handle.closed
-    assert engine.stats()["prefetch"]["cancelled"] == 4  # nobody else wanted the loads
+    assert engine.stats().prefetch.counters.cancelled == 4  # nobody else wanted the loads
     handle.close()  # idempotent
     tier.gate.set()
     await _settle(engine)
@@ -301,7 +299,7 @@ async def test_a_handle_for_other_tokens_is_refused_by_retrieve(
     with pytest.raises(LayoutError, match="covers chunk 1 of other tokens"):
         await engine.retrieve(TOKENS, DST, prefetch=handle)
     assert caches.bytes_equal(before)
-    assert engine.stats()["prefetch"]["live_handles"] == 0
+    assert engine.stats().prefetch.live_handles == 0
     refused = await engine.prefetch(TOKENS)
     with pytest.raises(LayoutError, match="block_ids"):
         await engine.retrieve(TOKENS, [0, 1], prefetch=refused)  # too few blocks
@@ -324,8 +322,8 @@ async def test_a_handle_dropped_unclosed_is_freed_and_counted_as_leaked(
     gc.collect()
     await asyncio.sleep(0)  # the finalizer hops to the loop
     await asyncio.sleep(0)
-    stats = engine.stats()["prefetch"]
-    assert stats["cancelled"] == 4 and stats["handles_leaked"] == 1
+    stats = engine.stats().prefetch
+    assert stats.counters.cancelled == 4 and stats.counters.handles_leaked == 1
     tier.gate.set()
     await _settle(engine)
 
@@ -393,7 +391,7 @@ def test_blocking_facade_prefetch_handle_with_the_real_l2(tmp_path: Path) -> Non
         assert handle.hit_tokens == 100
         assert handle.wait(timeout=10) == 100
         assert handle.done() and handle.ready_tokens() == 100
-        assert engine.stats()["prefetch"]["loads_started"] == 4
+        assert engine.stats().prefetch.counters.loads_started == 4
         reference = caches.snapshot()
         poison_blocks(caches, DST)
         expected = caches.snapshot()
@@ -405,7 +403,7 @@ def test_blocking_facade_prefetch_handle_with_the_real_l2(tmp_path: Path) -> Non
         with engine.prefetch(TOKENS) as scoped:
             assert scoped.wait(timeout=10) == 100
         engine.evict_l1()
-        assert engine.stats()["arena"]["used"] == 0
+        assert engine.stats().arena.used == 0
         pending = engine.prefetch(TOKENS)  # left to close
         assert pending.hit_tokens == 100
     assert engine.engine.leaked_on_close == 0
@@ -444,12 +442,12 @@ async def test_a_prefix_that_leaves_l1_while_retrieved_is_loaded_from_below(
         reference = caches.snapshot()
         poison_blocks(caches, DST)
         expected = caches.snapshot()
-        handles = engine.stats()["prefetch"]["handles"]
+        handles = engine.stats().prefetch.counters.handles
         mover.engine = engine
         result = await engine.retrieve(TOKENS, DST)  # no lookup: no prefetch of its own
         assert (result.valid_tokens, result.stop_reason) == (100, "complete")
         assert tier.calls["get"] == 3  # chunks 1-3, evicted after chunk 0's scatter
-        assert engine.stats()["prefetch"]["handles"] == handles + 1  # opened by the walk
+        assert engine.stats().prefetch.counters.handles == handles + 1  # opened by the walk
         expect_copy(caches, expected, reference, SRC, DST, range(100), 16)
         assert caches.bytes_equal(expected)
         await _settle(engine)
@@ -465,11 +463,11 @@ async def test_a_retrieve_of_the_claimed_tokens_uses_the_whole_prompts_prefetch(
     prompt = [*TOKENS[:96], *range(90_000, 90_016)]  # three cached chunks, then 16 new tokens
     assert await engine.lookup(prompt) == 96
     handle = await engine.prefetch(prompt)
-    assert engine.stats()["prefetch"]["live_handles"] == 1
+    assert engine.stats().prefetch.live_handles == 1
     assert (await engine.retrieve(prompt[:96], DST, prefetch=handle)).valid_tokens == 96
     stats = engine.stats()
-    assert stats["prefetch"]["live_handles"] == 0
-    assert stats["prefetch"]["loads_started"] == 3  # the handle's loads only
+    assert stats.prefetch.live_handles == 0
+    assert stats.prefetch.counters.loads_started == 3  # the handle's loads only
     await _settle(engine)
 
 
@@ -500,9 +498,9 @@ async def test_a_prefetch_right_after_a_close_does_not_join_the_cancelled_loads(
     first = await engine.prefetch(TOKENS)
     first.close()
     second = await engine.prefetch(TOKENS)
-    stats = engine.stats()["prefetch"]
-    assert (stats["loads_started"], stats["loads_deduplicated"]) == (8, 0)
-    assert stats["in_flight"] == 8  # the cancelled loads count until they end
+    stats = engine.stats().prefetch
+    assert (stats.counters.loads_started, stats.counters.loads_deduplicated) == (8, 0)
+    assert stats.in_flight == 8  # the cancelled loads count until they end
     tier.gate.set()
     assert await second == 100 and not second.failed_loads()
     assert (await engine.retrieve(TOKENS, DST, prefetch=second)).valid_tokens == 100

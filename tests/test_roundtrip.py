@@ -73,8 +73,8 @@ async def test_store_evict_retrieve_bit_exact(
             )
             assert caches.bytes_equal(expected), f"skip={skip}"
         stats = engine.stats()
-        assert stats["storage"]["hits_l2"] >= math.ceil(num_tokens / CHUNK)
-    assert stats["arena"]["used"] > 0  # chunks were promoted back into L1
+        assert stats.storage.tier("L2").reads.hits >= math.ceil(num_tokens / CHUNK)
+    assert stats.arena.used > 0  # chunks were promoted back into L1
 
 
 async def test_heterogeneous_groups_incl_132_byte_int8_rows(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ async def test_restart_recovers_from_l2(tmp_path: Path) -> None:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 100
         assert (await engine.retrieve(tokens, dst)).valid_tokens == 100
-        assert engine.stats()["storage"]["hits_l2"] == 4
+        assert engine.stats().storage.tier("L2").reads.hits == 4
     expect_copy(caches, expected, reference, src, dst, range(100), 16)
     assert caches.bytes_equal(expected)
 
@@ -150,6 +150,6 @@ async def test_corrupt_l2_file_is_a_miss_never_wrong_data(tmp_path: Path) -> Non
         got = (await engine.retrieve(tokens, dst)).valid_tokens
         assert got == CHUNK  # only the first chunk: the corrupt second ends the prefix
         assert not second.exists()  # quarantined
-        assert engine.stats()["l2"]["corrupt_removed"] == 1
+        assert engine.stats().tier("L2").corrupt_removed == 1
     expect_copy(caches, before, reference, src, dst, range(CHUNK), 16)
     assert caches.bytes_equal(before)

@@ -187,7 +187,7 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                     report.turns += 1
                     progress.advance(f"turn {turn + 1}")
             await engine.flush()
-            before = engine.stats()
+            before = engine.stats().as_dict()
         # Restart on the same L2 directory: a new process would see the same thing.
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(
@@ -199,7 +199,7 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                     engine, model, user.history, rng, report
                 )
                 progress.advance("after restart")
-            after = engine.stats()
+            after = engine.stats().as_dict()
         elapsed = time.perf_counter() - started
     _print_report(out, report, before, after, elapsed, device, config, spec)
     return 0 if report.mismatched_chunks == 0 and report.verified_chunks > 0 else 1

@@ -5,7 +5,7 @@ verbs (store / lookup / prefetch / retrieve), the prefetch policies of retrieve,
 validation, and the lifetime of the arena, tiers, prefetch controller and mover. Everything else
 is delegated: keys to `keys`, formats to `layout`, bytes to the mover, placement and write
 policies to the `StorageManager`, loads ahead of retrieve to the `PrefetchController`, the
-Prometheus exposition to `metrics`.
+statistics snapshot's views to `metrics`.
 """
 
 from __future__ import annotations
@@ -845,9 +845,9 @@ class TieredKVEngine:
         return staged
 
     # -- introspection ----------------------------------------------------------------------
-    def statistics(self) -> metrics.EngineStats:
-        """Every component's typed statistics now (`metrics.EngineStats`); `stats()`, `metrics()`
-        and `metrics_text()` are views of it."""
+    def stats(self) -> metrics.EngineStats:
+        """Every component's typed statistics now, as one snapshot; `EngineStats.to_prometheus`
+        renders it for Prometheus, `EngineStats.as_dict` as plain dicts."""
         storage, arena = self._storage, self._arena
         return metrics.EngineStats(
             engine=dataclasses.replace(self._counters),
@@ -858,24 +858,6 @@ class TieredKVEngine:
             lower=() if storage is None else tuple((t.name, t.stats()) for t in storage.lower),
             mover=None if self._mover is None else MoverStats.from_counters(self._mover.stats()),
         )
-
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        """Nested counters: engine, l1, arena, storage, prefetch, tiers (one section per lower
-        tier, by lower-case name: l2 for the disk tier), mover, and throughput (GB/s per path).
-
-        The same numbers as `statistics()`, as plain dicts; `metrics()` is their typed view,
-        `metrics_text()` its Prometheus text.
-        """
-        return metrics.stats_dict(self.statistics())
-
-    def metrics(self) -> list[metrics.MetricFamily]:
-        """Typed metric families (hits/misses per tier, bytes and GB/s per path, prefetch
-        outcomes, queue depths, occupancy), built from `stats()`."""
-        return metrics.engine_metrics(self.statistics())
-
-    def metrics_text(self) -> str:
-        """`metrics()` in the Prometheus text exposition format (version 0.0.4)."""
-        return metrics.render_prometheus(self.metrics())
 
 
 def _count(token_ids: TokenIds) -> int:

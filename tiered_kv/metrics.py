@@ -1,13 +1,14 @@
-"""The engine's statistics as one typed snapshot, and its two views: ``stats()`` and Prometheus.
+"""The engine's statistics as one typed snapshot (`EngineStats`) and its one Prometheus renderer.
 
 Owns `EngineStats` (every component's frozen stats dataclass, taken together by
-`TieredKVEngine.statistics()`), the one place where it is turned into the nested name → number
-dicts of ``engine.stats()`` (`stats_dict`) and into metric families with stable names, types,
-help texts and labels (`engine_metrics`); renders them in the Prometheus text format (0.0.4)
-without any dependency; parses that format back (`parse_prometheus`, used by tests and handy for
-scrapers in scripts); and, when the optional ``prometheus-client`` is installed, offers a
-`PrometheusCollector` for its registry. Must not keep state of its own or touch the engine's
-internals: everything comes from the snapshot. Never reads a name back out of a dict key.
+`TieredKVEngine.stats()`) and what is derived from it: its Prometheus text format (0.0.4,
+`EngineStats.to_prometheus`, no dependency; metric families with stable names, types, help texts
+and labels are its internal step), its nested name → number dicts for JSON output
+(`EngineStats.as_dict`), the parser of that text format (`parse_prometheus`, used by tests and
+handy for scrapers in scripts), and, when the optional ``prometheus-client`` is installed, a
+`PrometheusCollector` for its registry (the same families). Must not keep state of its own or
+touch the engine's internals: everything comes from the snapshot. Never reads a name back out of
+a dict key.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tiered_kv.tiers.l1 import L1Stats
 
 @dataclasses.dataclass(slots=True)
 class EngineCounters:
-    """The engine's own counters (calls, tokens); `statistics` hands out a copy."""
+    """The engine's own counters (calls, tokens); `EngineStats.engine` is a copy."""
 
     store_calls: int = 0
     stored_chunks: int = 0
@@ -81,7 +82,7 @@ ENGINE_COUNTERS = (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineStats:
-    """Every component's statistics at one moment (`TieredKVEngine.statistics()`). Sections are
+    """Every component's statistics at one moment (`TieredKVEngine.stats()`). Sections are
     None while their component does not exist (before open, after close)."""
 
     engine: EngineCounters  # a copy
@@ -114,14 +115,27 @@ class EngineStats:
             for path, (nbytes, seconds) in self.transfer_paths().items()
         }
 
+    def tier(self, name: str) -> TierStats:
+        """The lower tier ``name``'s own statistics (names compared without case)."""
+        for tier_name, stats in self.lower:
+            if tier_name.lower() == name.lower():
+                return stats
+        raise KeyError(f"no lower tier named {name!r}; tiers: {[n for n, _ in self.lower]}")
+
+    def as_dict(self) -> StatsDict:
+        """Nested sections of name → number, for JSON output: engine, l1, storage, one per lower
+        tier by lower-case name (l2 for the disk tier), prefetch, arena, mover, and throughput
+        (``<path>_gbps`` per data path)."""
+        return _as_dict(self)
+
+    def to_prometheus(self) -> str:
+        """The Prometheus text exposition format (version 0.0.4): hits and misses per tier,
+        bytes and GB/s per path, prefetch outcomes, queue depths, occupancy."""
+        return _render(_families(self))
+
 
 def _gbps(nbytes: float, seconds: float) -> float:
     return (nbytes / seconds / 1e9) if seconds > 0 else 0.0
-
-
-def throughput_gbps(stats: EngineStats) -> dict[str, int | float]:
-    """The ``throughput`` section of ``engine.stats()``: ``<path>_gbps`` per data path."""
-    return {f"{path}_gbps": gbps for path, gbps in stats.throughput_gbps().items()}
 
 
 def _unique_tiers(storage: StorageStats | None) -> list[LowerTierTraffic]:
@@ -134,7 +148,7 @@ def _unique_tiers(storage: StorageStats | None) -> list[LowerTierTraffic]:
     return list(seen.values())
 
 
-# -- the stats() view -----------------------------------------------------------------------------
+# -- the as_dict() view ----------------------------------------------------------------------------
 def _flat(stats: object, out: dict[str, int | float] | None = None) -> dict[str, int | float]:
     """A stats dataclass as name → number: None fields left out, a nested stats dataclass
     inlined (its names where the outer has none), a mapping as ``<field>_<name>``."""
@@ -190,9 +204,7 @@ def _storage_dict(storage: StorageStats) -> dict[str, int | float]:
     return out
 
 
-def stats_dict(stats: EngineStats) -> StatsDict:
-    """``engine.stats()``: nested sections of name → number (engine, l1, storage, one per lower
-    tier by lower-case name, prefetch, arena, mover, throughput)."""
+def _as_dict(stats: EngineStats) -> StatsDict:
     out: StatsDict = {"engine": dict(dataclasses.asdict(stats.engine))}
     if stats.l1 is not None:
         out["l1"] = _flat(stats.l1)
@@ -213,38 +225,25 @@ def stats_dict(stats: EngineStats) -> StatsDict:
             "scatter_seconds": mover.scatter_seconds,
             **mover.extra,
         }
-    out["throughput"] = throughput_gbps(stats)
+    out["throughput"] = {f"{path}_gbps": gbps for path, gbps in stats.throughput_gbps().items()}
     return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Sample:
+class _Sample:
     labels: Labels
     value: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MetricFamily:
+class _Family:
     """One metric: ``name`` (without the ``_total`` suffix of counters' samples), its type,
     help text, and samples (one per label set)."""
 
     name: str
     kind: Literal["counter", "gauge"]
     help: str
-    samples: tuple[Sample, ...]
-
-    def __post_init__(self) -> None:
-        if not _NAME_RE.fullmatch(self.name):
-            raise ValueError(f"MetricFamily: invalid metric name {self.name!r}")
-        if self.kind not in ("counter", "gauge"):
-            raise ValueError(f"MetricFamily: kind must be 'counter' or 'gauge', got {self.kind!r}")
-
-    def value(self, **labels: str) -> float | None:
-        wanted = tuple(sorted(labels.items()))
-        for sample in self.samples:
-            if tuple(sorted(sample.labels)) == wanted:
-                return sample.value
-        return None
+    samples: tuple[_Sample, ...]
 
 
 _NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -254,7 +253,7 @@ _LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # -- families -----------------------------------------------------------------------------------
 class _Builder:
     def __init__(self) -> None:
-        self.families: dict[str, MetricFamily] = {}
+        self.families: dict[str, _Family] = {}
 
     def add(
         self,
@@ -265,10 +264,12 @@ class _Builder:
         **labels: str,
     ) -> None:
         full = f"{PREFIX}_{name}"
-        sample = Sample(tuple(sorted(labels.items())), float(value))
+        if not _NAME_RE.fullmatch(full):
+            raise ValueError(f"invalid metric name {full!r}")
+        sample = _Sample(tuple(sorted(labels.items())), float(value))
         family = self.families.get(full)
         if family is None:
-            self.families[full] = MetricFamily(full, metric_type, help_text, (sample,))
+            self.families[full] = _Family(full, metric_type, help_text, (sample,))
         else:
             self.families[full] = dataclasses.replace(family, samples=(*family.samples, sample))
 
@@ -387,8 +388,8 @@ def _prefetch_families(b: _Builder, prefetch: PrefetchStats) -> None:
     )
 
 
-def engine_metrics(stats: EngineStats) -> list[MetricFamily]:
-    """Metric families from `TieredKVEngine.statistics()`."""
+def _families(stats: EngineStats) -> list[_Family]:
+    """The snapshot's metric families, in exposition order."""
     b = _Builder()
     for name, help_text in ENGINE_COUNTERS:
         b.add(name, "counter", help_text, getattr(stats.engine, name))
@@ -451,7 +452,7 @@ def _format_value(value: float) -> str:
     return repr(value)
 
 
-def render_prometheus(families: Iterable[MetricFamily]) -> str:
+def _render(families: Iterable[_Family]) -> str:
     """The Prometheus text format: HELP and TYPE lines, then samples (counters get
     ``_total``)."""
     lines: list[str] = []
@@ -527,29 +528,28 @@ def parse_prometheus(text: str) -> dict[tuple[str, Labels], float]:
 class PrometheusCollector:
     """A ``prometheus_client`` collector over an engine (needs the ``metrics`` extra)::
 
-        prometheus_client.REGISTRY.register(PrometheusCollector(sync_engine.statistics))
+        prometheus_client.REGISTRY.register(PrometheusCollector(sync_engine.stats))
 
-    ``statistics``: a callable returning `EngineStats`. `collect` runs in the scraping thread:
-    pass a thread-safe one (`SyncTieredKVEngine.statistics`) when the engine's loop runs
-    elsewhere.
+    ``stats``: a callable returning `EngineStats`; the collector exports the families
+    `EngineStats.to_prometheus` renders. `collect` runs in the scraping thread: pass a
+    thread-safe one (`SyncTieredKVEngine.stats`) when the engine's loop runs elsewhere.
     """
 
-    def __init__(self, statistics: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         import prometheus_client.core  # noqa: F401 - fail early without the extra
 
-        self._statistics = statistics
+        self._stats = stats
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        stats = self._statistics()
+        stats = self._stats()
         if not isinstance(stats, EngineStats):
             raise TypeError(
                 "PrometheusCollector: the callable returned "
-                f"{type(stats).__name__}, not EngineStats; pass engine.statistics (not "
-                "engine.stats, whose dicts are for reading, not for metrics)"
+                f"{type(stats).__name__}, not EngineStats; pass engine.stats"
             )
-        for family in engine_metrics(stats):
+        for family in _families(stats):
             names = sorted({k for sample in family.samples for k, _ in sample.labels})
             metric: Any
             if family.kind == "counter":

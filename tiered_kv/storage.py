@@ -154,6 +154,13 @@ class StorageStats:
     touch_failures: int
     tiers: tuple[LowerTierTraffic, ...]  # top first
 
+    def tier(self, name: str) -> LowerTierTraffic:
+        """The books on the lower tier ``name`` (names compared without case)."""
+        for tier in self.tiers:
+            if tier.name.lower() == name.lower():
+                return tier
+        raise KeyError(f"no lower tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
 
 def _check_tier_names(l1_name: str, lower: Sequence[LowerTier]) -> None:
     """A tier's name keys its write policy and its statistics (compared without case, as

@@ -138,8 +138,6 @@ class SyncTieredKVEngine:
     flush = _blocking(TieredKVEngine.flush)
     evict_l1 = _blocking(TieredKVEngine.evict_l1)
     stats = _on_loop(TieredKVEngine.stats)
-    statistics = _on_loop(TieredKVEngine.statistics)
-    metrics_text = _on_loop(TieredKVEngine.metrics_text)
 
     def prefetch(
         self,

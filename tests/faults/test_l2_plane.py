@@ -88,12 +88,12 @@ async def test_a_prefetch_cancelled_mid_stripe_leaks_nothing(tmp_path: Path) -> 
             assert 0 < len(_read_threads()) <= THREADS
             handle.close()
             for _ in range(500):  # cancelled loads wait for their threads to let go
-                if engine.stats()["prefetch"]["in_flight"] == 0:
+                if engine.stats().prefetch.in_flight == 0:
                     break
                 await asyncio.sleep(0.01)
-            assert engine.stats()["prefetch"]["in_flight"] == 0
+            assert engine.stats().prefetch.in_flight == 0
             await engine.evict_l1()
-            assert engine.stats()["arena"]["used"] == 0
+            assert engine.stats().arena.used == 0
         # Nothing half-read stayed: the whole prefix reads back bit for bit.
         ops.delay_s = 0.0
         reference = caches.snapshot()

@@ -139,19 +139,19 @@ async def test_soak_under_eviction_serves_only_correct_rows(
             await asyncio.sleep(0.05)
             await engine.evict_l1()
             stats = engine.stats()
-            if not stats["arena"]["used"] and not stats["prefetch"]["in_flight"]:
+            if not stats.arena.used and not stats.prefetch.in_flight:
                 break
         tasks, fds = len(asyncio.all_tasks()), _open_fds()
         names = sorted(t.get_name() for t in asyncio.all_tasks())
-    lower_hits = stats["storage"][f"hits_{tier.lower()}"]
+    lower_hits = stats.storage.tier(tier).reads.hits
     print(
-        f"\nsoak {tier} {elapsed:.1f}s: {counts}; l1 hits {stats['storage']['hits_l1']}, "
+        f"\nsoak {tier} {elapsed:.1f}s: {counts}; l1 hits {stats.storage.l1_hits}, "
         f"{tier} hits {lower_hits}; tasks {baseline_tasks}->{tasks}, fds {baseline_fds}->{fds}"
     )
     assert not wrong, wrong[:5]
     assert counts["rows_verified"] > 0 and lower_hits > 0, counts
-    assert stats["arena"]["used"] == 0, "host bytes still referenced"
-    assert stats["prefetch"]["reserved_bytes"] == 0 and stats["prefetch"]["in_flight"] == 0
+    assert stats.arena.used == 0, "host bytes still referenced"
+    assert stats.prefetch.reserved_bytes == 0 and stats.prefetch.in_flight == 0
     assert tasks <= baseline_tasks, f"tasks {baseline_tasks} -> {tasks}: {names}"
     # L3's pooled connections stay open until close: both ends are in this process.
     pooled = 2 * L3_CONNECTIONS if tier == "L3" else 0

@@ -107,7 +107,7 @@ class EngineCalls(RuleBasedStateMachine):
     def nothing_leaked_so_far(self) -> None:
         if self.engine is not None:
             stats = self.engine.stats()
-            assert stats["arena"]["used"] <= stats["arena"]["capacity"]
+            assert stats.arena.used <= stats.arena.capacity
 
     def teardown(self) -> None:
         if self.engine is not None:

@@ -349,10 +349,11 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
                     src = caches.token_row(layer, k, t // 16, t % 16)
                     dst = caches.token_row(layer, k, 4 + t // 16, t % 16)
                     assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
-        mover = engine.stats()["mover"]
-        assert mover["cuda_gather_staging_calls"] + mover["cuda_gather_dma_calls"] == 1
-        assert mover["cuda_scatter_staging_calls"] + mover["cuda_scatter_dma_calls"] == 1
-        assert mover["bytes_gathered"] == engine.layout_desc().nbytes(32) * 2
+        mover = engine.stats().mover
+        calls = mover.extra
+        assert calls["cuda_gather_staging_calls"] + calls["cuda_gather_dma_calls"] == 1
+        assert calls["cuda_scatter_staging_calls"] + calls["cuda_scatter_dma_calls"] == 1
+        assert mover.bytes_gathered == engine.layout_desc().nbytes(32) * 2
 
 
 async def test_caller_cancelled_while_enqueueing_still_gets_the_whole_call_run() -> None:

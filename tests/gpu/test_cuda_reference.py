@@ -28,7 +28,7 @@ async def test_cuda_caches_round_trip_through_pinned_l1_and_l2(
     config = EngineConfig(chunk_size=chunk, l1_size="16MiB", l2_path=str(tmp_path / "l2"))
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        assert engine.stats()["arena"]["pinned"] == 1
+        assert engine.stats().arena.pinned == 1
         assert await engine.store(tokens, src) == num_tokens
         await engine.flush()
         await engine.evict_l1()

@@ -532,24 +532,24 @@ async def test_the_engines_layerwise_store_is_one_mover_call() -> None:
     src, dst = [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]
 
     def gather_calls(engine: TieredKVEngine) -> int:
-        mover = engine.stats()["mover"]
+        mover = engine.stats().mover
         return sum(
             int(v)
-            for k, v in mover.items()
+            for k, v in mover.extra.items()
             if k.startswith("cuda_gather_") and k.endswith("_calls")
         )
 
     async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="16MiB")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         before = gather_calls(engine)
-        gathered = engine.stats()["mover"]["bytes_gathered"]
+        gathered = engine.stats().mover.bytes_gathered
         saver = await engine.store_layerwise(tokens, src)
         for layer in range(4):
             saver.save_layer(layer)
         assert await saver.commit() == 96
-        assert gather_calls(engine) - before == 1, engine.stats()["mover"]
+        assert gather_calls(engine) - before == 1, engine.stats().mover
         # Counted like any gather: 96 tokens x 4 layers x K and V x 2 heads x 8 x bf16.
-        assert engine.stats()["mover"]["bytes_gathered"] - gathered == 96 * 4 * 2 * 2 * 8 * 2
+        assert engine.stats().mover.bytes_gathered - gathered == 96 * 4 * 2 * 2 * 8 * 2
         await _retrieves_what_was_stored(engine, caches, tokens, src, dst)
     assert engine.leaked_on_close == 0
 

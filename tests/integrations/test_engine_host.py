@@ -43,8 +43,8 @@ def test_a_load_uses_the_prefetch_its_lookup_started_and_ends_it(tmp_path: Path)
         host.serve_lookups(path)
         client = LookupClient([path])
         assert _answer(client, "r1") == 96
-        prefetch = host.stats()["prefetch"]
-        assert (prefetch["loads_started"], prefetch["live_handles"]) == (3, 1)
+        prefetch = host.stats().prefetch
+        assert (prefetch.counters.loads_started, prefetch.live_handles) == (3, 1)
         reference = caches.snapshot()
         poison_blocks(caches, DST)
         expected = caches.snapshot()
@@ -52,13 +52,13 @@ def test_a_load_uses_the_prefetch_its_lookup_started_and_ends_it(tmp_path: Path)
         assert result.valid_tokens == 96
         expect_copy(caches, expected, reference, SRC, DST, range(96), 16)
         assert caches.bytes_equal(expected)
-        prefetch = host.stats()["prefetch"]
+        prefetch = host.stats().prefetch
         # No second prefetch joined the lookup's loads: the load took them over and ended it.
-        assert prefetch["loads_started"] == 3 and prefetch["loads_deduplicated"] == 0
-        assert prefetch["live_handles"] == 0 and prefetch["handles"] == 1
+        assert prefetch.counters.loads_started == 3 and prefetch.counters.loads_deduplicated == 0
+        assert prefetch.live_handles == 0 and prefetch.counters.handles == 1
         assert tier.calls["get"] == 3
         host.release(["r1"])  # the request ends: nothing left to free
-        assert host.stats()["prefetch"]["cancelled"] == 0
+        assert host.stats().prefetch.counters.cancelled == 0
     finally:
         if client is not None:
             client.close()

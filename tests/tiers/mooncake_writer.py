@@ -26,8 +26,8 @@ async def main(url: str, seed: int, num_tokens: int) -> None:
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await store_and_drop_l1(engine, caches, tokens)
-        stats = engine.stats()["l3"]
-        print(f"stored {stats['puts']} {stats['put_failures']}", flush=True)
+        stats = engine.stats().tier("L3")
+        print(f"stored {stats.puts} {stats.put_failures}", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # keeps the segment in the pool until EOF
 
 

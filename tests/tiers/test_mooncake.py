@@ -70,12 +70,12 @@ async def test_engine_round_trips_bit_exact_through_mooncake(
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
-        stats = engine.stats()["l3"]
-        assert stats["puts"] == 4 and stats["put_failures"] == 0
-        assert stats["hits"] == 4 and stats["corrupt"] == 0
-        assert stats["client_setups"] == 1
+        stats = engine.stats().tier("L3")
+        assert stats.puts == 4 and stats.put_failures == 0
+        assert stats.hits == 4 and stats.corrupt == 0
+        assert stats.client["setups"] == 1
         # The L1 arena was registered once, beside the header slab.
-        assert stats["client_registered_regions"] == 1
+        assert stats.client["registered_regions"] == 1
     assert _mooncake_threads() == []  # aclose joined the connector's threads
 
 
@@ -245,7 +245,7 @@ async def test_two_engines_in_two_processes_share_chunks(
     async with TieredKVEngine(_config(mooncake_master.url(segment="0"))) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
-        assert engine.stats()["l3"]["hits"] == 4
+        assert engine.stats().tier("L3").hits == 4
 
 
 @pytest.mark.slow
@@ -274,10 +274,10 @@ async def test_a_killed_writer_costs_misses_never_wrong_data(
         elapsed = time.monotonic() - started
         assert elapsed < 2 * timeout_s + 1.0, elapsed
         assert caches.bytes_equal(before)  # nothing was written into the blocks
-        stats = engine.stats()["l3"]
-        assert stats["hits"] == 0 and stats["misses"] >= 1 and stats["corrupt"] == 0
+        stats = engine.stats().tier("L3")
+        assert stats.hits == 0 and stats.misses >= 1 and stats.corrupt == 0
         # The L1 objects of the transfers still running stay allocated until they end.
-        assert stats["client_held_past_deadline"] >= 1
+        assert stats.client["held_past_deadline"] >= 1
     assert engine.leaked_on_close == 0  # every held object was given back by close
 
 
@@ -299,7 +299,7 @@ async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             await retrieve_bit_exact(engine, caches, tokens, src)
-            assert engine.stats()["l3"]["hits"] == 4
+            assert engine.stats().tier("L3").hits == 4
     finally:
         stop_process(node)
 
@@ -332,7 +332,7 @@ async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
                 await asyncio.sleep(0.5)
             await engine.evict_l1()
             await retrieve_bit_exact(engine, caches, tokens, src)
-            assert engine.stats()["l3"]["corrupt"] == 0
+            assert engine.stats().tier("L3").corrupt == 0
     finally:
         stop_process(node)
         master.stop()
@@ -364,12 +364,12 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
             # Bounded by the deadline, never by Mooncake's own RPC timeout per call.
             assert load_s < 2 * timeout_s + 1.0, load_s
             assert lookup_s < timeout_s + 1.0, lookup_s
-        stats = engine.stats()["l3"]
-        assert stats["hits"] == 0 and stats["corrupt"] == 0
+        stats = engine.stats().tier("L3")
+        assert stats.hits == 0 and stats.corrupt == 0
         # A call overran its deadline (the blocking path was taken) and later requests were
         # refused at once instead of queueing behind it: no pile-up of stuck threads.
-        assert stats["timeouts"] >= 1
-        assert stats["client_threads"] <= 4
+        assert stats.timeouts >= 1
+        assert stats.client["threads"] <= 4
         # A restarted master (on the same ports) knows no keys; the client reconnects (a
         # call on a connection to the old master may still fail once: a miss) and remounts
         # this engine's segment, and new stores land and read back bit-exact from L3.
@@ -395,7 +395,7 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
         expected = [[tensor.clone() for tensor in layer] for layer in before]
         expect_copy(caches, expected, before, src[:4], fresh_dst, range(len(fresh)), BLOCK)
         assert caches.bytes_equal(expected)  # the stored rows, and nothing else, were written
-        assert engine.stats()["l3"]["corrupt"] == 0
+        assert engine.stats().tier("L3").corrupt == 0
 
 
 def test_mooncake_urls_are_checked_with_clear_errors() -> None:

@@ -61,8 +61,8 @@ async def test_engine_round_trip_through_redis(
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
         stats = engine.stats()
-        assert stats["l3"]["puts"] == 4
-        assert stats["storage"]["hits_l3"] >= 3
+        assert stats.tier("L3").puts == 4
+        assert stats.storage.tier("L3").reads.hits >= 3
     names = await _keys(redis_url, f"{key_prefix}:*")
     assert len(names) == 4
     assert all(name.startswith(f"{key_prefix}::".encode()) for name in names)  # namespace ""
@@ -70,7 +70,7 @@ async def test_engine_round_trip_through_redis(
     async with TieredKVEngine(_config(l3_url=redis_url, l3_key_prefix=key_prefix)) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
-        assert engine.stats()["l3"]["hits"] == 4
+        assert engine.stats().tier("L3").hits == 4
 
 
 async def test_tenants_are_separate_key_spaces(
@@ -122,9 +122,9 @@ async def test_corrupt_value_is_a_miss_and_removed_and_ttl_applies(
             assert not await client.exists(name)
         finally:
             await client.aclose()
-        stats = engine.stats()["l3"]
-        assert stats["corrupt"] == 1
-        assert stats["corrupt_removed"] == 1
+        stats = engine.stats().tier("L3")
+        assert stats.corrupt == 1
+        assert stats.corrupt_removed == 1
 
 
 async def test_redis_down_is_only_misses() -> None:
@@ -153,7 +153,7 @@ async def test_cluster_routes_keys_across_slots(
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
-        assert engine.stats()["l3"]["hits"] == 12
+        assert engine.stats().tier("L3").hits == 12
         keys = engine.chunk_keys(tokens)
     # The chunks really are spread over the cluster's nodes (a batch EXISTS spans slots).
     cluster = redis.asyncio.RedisCluster.from_url(redis_cluster_url.replace("+cluster", ""))
@@ -166,7 +166,7 @@ async def test_cluster_routes_keys_across_slots(
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 12 * CHUNK
-        assert engine.stats()["l3"]["exists_calls"] == 1
+        assert engine.stats().tier("L3").exists_calls == 1
 
 
 async def test_connector_batches_in_one_pipeline(

@@ -59,9 +59,9 @@ async def test_engine_with_l3_only_round_trips_bit_exact(
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
         stats = engine.stats()
-        assert stats["l3"]["puts"] == 3
-        assert stats["l3"]["hits"] == 3
-        assert stats["storage"]["hits_l3"] == 3
+        assert stats.tier("L3").puts == 3
+        assert stats.tier("L3").hits == 3
+        assert stats.storage.tier("L3").reads.hits == 3
     assert tkv_server.stats()["entries"] == 3
 
 
@@ -76,17 +76,17 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
-        assert engine.stats()["l2"]["entries"] <= 1
+        assert engine.stats().tier("L2").entries <= 1
         await retrieve_bit_exact(engine, caches, tokens, src)
         stats = engine.stats()
-        assert stats["storage"]["hits_l3"] >= 4
-        assert stats["l3"]["puts"] == 5
+        assert stats.storage.tier("L3").reads.hits >= 4
+        assert stats.tier("L3").puts == 5
     # A fresh process with an empty L2: everything comes from the remote tier.
     config = _config(l2_path=str(tmp_path / "l2-new"), l3_url=tkv_server.url)
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
-        assert engine.stats()["storage"]["hits_l3"] == 5
+        assert engine.stats().storage.tier("L3").reads.hits == 5
 
 
 async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
@@ -233,7 +233,7 @@ async def test_two_tenants_never_see_each_others_chunks(
     async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="b")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 0
-        assert engine.stats()["l3"]["hits"] == 0
+        assert engine.stats().tier("L3").hits == 0
     async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="a")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
@@ -366,7 +366,7 @@ async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> 
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             assert await engine.store(tokens, [1, 2, 3, 4]) == 64
             await engine.flush(timeout=10)
-            assert engine.stats()["l3"]["put_failures"] == 2
+            assert engine.stats().tier("L3").put_failures == 2
         assert server.stats()["auth_failures"] >= 1
         assert server.stats()["entries"] == 0
         config = _config(l3_url=server.url, l3_token_file=str(token_file))

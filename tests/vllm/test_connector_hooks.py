@@ -220,16 +220,16 @@ def test_lookup_answers_ask_again_while_loads_are_in_flight(
             request = _request("slow", tokens)
             answers = [scheduler.get_num_new_matched_tokens(request, 0)]
             for _ in range(2000):
-                if host.stats()["host"]["lookups_pending"] >= 1:
+                if host.stats().host.lookups_pending >= 1:
                     break
                 time.sleep(0.005)
                 answers.append(scheduler.get_num_new_matched_tokens(request, 0))
             answers += [scheduler.get_num_new_matched_tokens(request, 0) for _ in range(20)]
-            assert host.stats()["host"]["lookups_pending"] >= 1  # the worker said "in flight"
+            assert host.stats().host.lookups_pending >= 1  # the worker said "in flight"
             assert set(answers) == {(None, False)}
             tier.opened.set()
             assert _answer(scheduler, request) == 128
-            assert host.stats()["storage"]["hits_l2"] >= 2
+            assert host.stats().storage.tier("L2").reads.hits >= 2
     finally:
         tier.opened.set()
         scheduler.shutdown()
@@ -266,17 +266,17 @@ def test_finished_or_aborted_request_releases_its_prefetch(
         worker.register_kv_caches(_caches(seed=5))
         tokens = _tokens(4, 160)
         _run_step(worker, _meta(stores=[StoreSpec("writer", tokens[:128], [0, 1, 2, 3])]))
-        assert worker.engine_stats()["host"]["stored_tokens"] == 128
+        assert worker.engine_stats().host.stored_tokens == 128
         request = _request("aborted", tokens)
         assert _answer(scheduler, request) == 128
-        assert worker.engine_stats()["host"]["prefetches_held"] == 1
+        assert worker.engine_stats().prefetches_held == 1
         assert scheduler.request_finished(request, []) == (False, None)
         meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
         assert (meta.release, meta.loads, meta.stores) == (["aborted"], [], [])
         _run_step(worker, meta)
         stats = worker.engine_stats()
-        assert stats["host"]["prefetches_held"] == 0
-        assert (stats["prefetch"]["live_handles"], stats["prefetch"]["reserved_bytes"]) == (0, 0)
+        assert stats.prefetches_held == 0
+        assert (stats.prefetch.live_handles, stats.prefetch.reserved_bytes) == (0, 0)
         # The next step releases nothing again: the scheduler forgot the request.
         assert scheduler.build_connector_meta(SchedulerOutput.make_empty()).release == []
     finally:
@@ -356,16 +356,16 @@ def test_claimed_chunks_stay_in_l1_until_loaded(make_config: Callable[..., Any])
         _run_step(worker, _meta(stores=[StoreSpec("writer", tokens[:128], [0, 1, 2, 3])]))
         stored = {name: cache[0:4].clone() for name, cache in caches.items()}
         assert _answer(scheduler, _request("claimed", tokens)) == 128
-        assert worker.engine_stats()["host"]["pinned_bytes"] > 0
+        assert worker.engine_stats().pinned_bytes > 0
         host = worker.worker_half.host
         assert host.evict_l1() == 0  # nothing unreferenced: both chunks are pinned
         _run_step(worker, _meta(loads=[LoadSpec("claimed", tokens[:128], [8, 9, 10, 11], 0)]))
         assert worker.get_block_ids_with_load_errors() == set()
         for name, cache in caches.items():
             assert torch.equal(cache[8:12], stored[name])
-        stats = worker.engine_stats()["host"]
-        assert (stats["loaded_tokens"], stats["load_shortfall_tokens"]) == (128, 0)
-        assert stats["pinned_bytes"] == 0 and stats["prefetches_held"] == 0
+        stats = worker.engine_stats()
+        assert (stats.host.loaded_tokens, stats.host.load_shortfall_tokens) == (128, 0)
+        assert stats.pinned_bytes == 0 and stats.prefetches_held == 0
         assert host.evict_l1() > 0  # unpinned now: evictable again
     finally:
         worker.shutdown()
@@ -395,13 +395,13 @@ def test_pins_are_bounded_in_bytes_and_time(make_config: Callable[..., Any]) -> 
         scheduler = _connector(config, "scheduler")
         try:
             assert _answer(scheduler, _request("slow", tokens)) == 128
-            stats = host.stats()["host"]
-            assert (stats["pinned_bytes"], stats["pins_over_budget"]) == (64 * 1024, 1)
+            stats = host.stats()
+            assert (stats.pinned_bytes, stats.host.pins_over_budget) == (64 * 1024, 1)
             assert host.evict_l1() == 64 * 1024  # the unpinned chunk goes
             time.sleep(0.3)
             _answer(scheduler, _request("other", _tokens(10, 96)))  # a lookup sweeps pins
-            stats = host.stats()["host"]
-            assert (stats["pinned_bytes"], stats["pins_expired"]) == (0, 1)
+            stats = host.stats()
+            assert (stats.pinned_bytes, stats.host.pins_expired) == (0, 1)
             assert host.evict_l1() == 64 * 1024
         finally:
             scheduler.shutdown()
@@ -497,7 +497,7 @@ def test_observe_prefill_refuses_nonsense() -> None:
             with pytest.raises(ValueError, match="observe_prefill"):
                 host.observe_prefill(*args)
         host.observe_prefill(100, 0, 0.01)
-        assert host.stats()["host"]["prefills_observed"] == 1
+        assert host.stats().host.prefills_observed == 1
     finally:
         host.close()
 

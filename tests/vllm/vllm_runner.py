@@ -126,8 +126,9 @@ def main(spec_path: str, out_path: str) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         connector = get_kv_transfer_group()
-        result["engine_stats"] = connector.engine_stats()
-        result["metrics_text"] = connector.engine_metrics_text()
+        stats = connector.engine_stats()
+        result["engine_stats"] = stats.as_dict()
+        result["metrics_text"] = stats.to_prometheus()
         result["failures"] = connector.failures
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
     result["hma_disabled"] = scheduler_config.disable_hybrid_kv_cache_manager

@@ -194,7 +194,7 @@ async def run_scenario(
 
             for batch in rounds:
                 await asyncio.gather(*(serve(prompt, i) for i, prompt in enumerate(batch)))
-            stats = engine.stats()
+            stats = engine.stats().as_dict()
         wall = time.perf_counter() - started
     storage = stats["storage"]
     chunks = {

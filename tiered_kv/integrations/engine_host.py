@@ -27,6 +27,7 @@ from tiered_kv.config import EngineConfig
 from tiered_kv.integrations.lookup_channel import LookupServer
 from tiered_kv.keys import KeySalt, TokenIds
 from tiered_kv.layout import MemoryLayoutDesc
+from tiered_kv.metrics import EngineStats, StatsDict
 from tiered_kv.prefetch import PrefetchHandle
 from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult
 from tiered_kv.sync import SyncLayerwiseRetrieve, SyncLayerwiseStore, SyncTieredKVEngine
@@ -103,6 +104,29 @@ class HostCounters:
     pins_over_budget: int = 0  # answers not wholly pinned: ``pin_budget_bytes`` reached
     partial_chunk_hits: int = 0  # lookups extended by a stored partial chunk
     prefills_observed: int = 0  # prefill times reported to the recompute model
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostStats(EngineStats):
+    """`EngineHost.stats`: the engine's snapshot plus the host's own numbers (its ``host``
+    section in `as_dict`; Prometheus text has the engine's only)."""
+
+    host: HostCounters = dataclasses.field(kw_only=True)  # a copy
+    prefetches_held: int = dataclasses.field(kw_only=True)
+    pinned_bytes: int = dataclasses.field(kw_only=True)
+    tier_events: int = dataclasses.field(kw_only=True)
+    tier_events_dropped: int = dataclasses.field(kw_only=True)
+
+    def as_dict(self) -> StatsDict:
+        out = EngineStats.as_dict(self)  # no bare super(): slotted dataclasses are rebuilt
+        out["host"] = {
+            **dataclasses.asdict(self.host),
+            "prefetches_held": self.prefetches_held,
+            "pinned_bytes": self.pinned_bytes,
+            "tier_events": self.tier_events,
+            "tier_events_dropped": self.tier_events_dropped,
+        }
+        return out
 
 
 class EngineHost(SyncTieredKVEngine):
@@ -308,16 +332,20 @@ class EngineHost(SyncTieredKVEngine):
 
         self._call(release())
 
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        async def stats() -> dict[str, dict[str, int | float]]:
-            out = self._engine.stats()
-            out["host"] = dict(dataclasses.asdict(self.counters))
-            out["host"]["prefetches_held"] = len(self._lookups)
-            out["host"]["pinned_bytes"] = self._pinned_bytes()
+    def stats(self) -> HostStats:
+        """The engine's statistics and the host's, taken together on the loop."""
+
+        async def stats() -> HostStats:
+            engine = self._engine.stats()
             events = self._tier_events
-            out["host"]["tier_events"] = 0 if events is None else events.emitted
-            out["host"]["tier_events_dropped"] = 0 if events is None else events.dropped
-            return out
+            return HostStats(
+                **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)},
+                host=dataclasses.replace(self.counters),
+                prefetches_held=len(self._lookups),
+                pinned_bytes=self._pinned_bytes(),
+                tier_events=0 if events is None else events.emitted,
+                tier_events_dropped=0 if events is None else events.dropped,
+            )
 
         return self._call(stats())
 

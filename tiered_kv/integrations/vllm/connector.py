@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiered_kv.config import EngineConfig
+from tiered_kv.integrations.engine_host import HostStats
 from tiered_kv.integrations.vllm.config import ConnectorOptions, ConnectorSettings
 from tiered_kv.integrations.vllm.scheduler import SchedulerHalf
 from tiered_kv.integrations.vllm.stats import TieredKVConnectorStats
@@ -147,13 +148,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return self._worker.get_kv_connector_kv_cache_events()
 
-    def engine_stats(self) -> dict[str, dict[str, int | float]]:
-        """The worker's engine stats plus the host's counters (worker role only)."""
+    def engine_stats(self) -> HostStats:
+        """The worker's engine statistics plus its host's (worker role only;
+        ``to_prometheus()`` for Prometheus)."""
         return self.worker_half.engine_stats()
-
-    def engine_metrics_text(self) -> str:
-        """The worker's ``engine.metrics_text()`` (Prometheus text; worker role only)."""
-        return self.worker_half.engine_metrics_text()
 
     # -- scheduler hooks ---------------------------------------------------------------------
     def get_num_new_matched_tokens(

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.engine_host import EngineHost, window_start
+from tiered_kv.integrations.engine_host import EngineHost, HostStats, window_start
 from tiered_kv.integrations.kv_events import EventGroup, TieredKVEvents, to_vllm_events
 from tiered_kv.integrations.lookup_channel import socket_path
 from tiered_kv.integrations.prefill_timer import GpuPrefillTimer
@@ -470,7 +470,7 @@ class WorkerHalf:
         zero or the engine is closed)."""
         if self._host is None:
             return None
-        totals = worker_totals(self._host.stats())
+        totals = worker_totals(self._host.stats().as_dict())
         totals["load_error_blocks"] = self.load_error_blocks
         data = {}
         for name, value in totals.items():
@@ -493,13 +493,9 @@ class WorkerHalf:
             return None
         return TieredKVEvents(events) if events else None
 
-    def engine_stats(self) -> dict[str, dict[str, int | float]]:
-        """The engine's stats plus the host's counters."""
+    def engine_stats(self) -> HostStats:
+        """The engine's statistics plus the host's (``to_prometheus()`` for Prometheus)."""
         return self.host.stats()
-
-    def engine_metrics_text(self) -> str:
-        """The engine's ``metrics_text()`` (Prometheus text)."""
-        return self.host.metrics_text()
 
     def shutdown(self) -> None:
         host, self._host = self._host, None
