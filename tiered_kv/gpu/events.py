@@ -18,7 +18,7 @@ import torch
 
 from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import LayerLoad
-from tiered_kv.gpu.kernels import check_driver
+from tiered_kv.gpu.kernels import check_driver, cuda_driver
 
 
 class CallBuffers:
@@ -44,7 +44,7 @@ class CallBuffers:
     def upload_ids(self, block_ids: Sequence[int], stream: Any) -> int:
         """Queue the block table's copy to the device on ``stream``; returns its device address.
         The pinned source stays untouched until the call completes (the buffers are the call's)."""
-        from cuda.bindings import driver
+        driver = cuda_driver()
 
         try:
             ids = array.array("i", block_ids)

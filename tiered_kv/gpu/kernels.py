@@ -224,22 +224,32 @@ def _unpack_entry(data: bytes) -> bytes | None:
 
 
 # -- loading on a device -------------------------------------------------------------------------
-def _driver() -> Any:
-    from cuda.bindings import driver
+_DRIVER: Any = None  # cuda.bindings.driver, imported on first use (importing us needs no CUDA)
+_SUCCESS: Any = None
 
-    return driver
+
+def cuda_driver() -> Any:
+    """``cuda.bindings.driver``, imported once (hot paths call this instead of importing)."""
+    global _DRIVER, _SUCCESS
+    if _DRIVER is None:
+        from cuda.bindings import driver
+
+        _SUCCESS = driver.CUresult.CUDA_SUCCESS
+        _DRIVER = driver
+    return _DRIVER
 
 
 def check_driver(result: Any, what: str) -> Any:
     """Unpack a cuda-bindings driver call's ``(err, *values)``; raise `TieredKVError` on error."""
-    driver = _driver()
     if isinstance(result, tuple):
         err, values = result[0], result[1:]
     else:
         err, values = result, ()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise TieredKVError(f"{what} failed: {name.decode() if name else err}")
+    if err is not _SUCCESS:  # enum members are singletons: the common case costs no comparison
+        driver = cuda_driver()
+        if err != _SUCCESS:
+            _, name = driver.cuGetErrorName(err)
+            raise TieredKVError(f"{what} failed: {name.decode() if name else err}")
     if not values:
         return None
     return values[0] if len(values) == 1 else values
@@ -256,7 +266,11 @@ class DeviceKernels:
     functions: Mapping[str, Any]
 
     def make_current(self) -> None:
-        check_driver(_driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        """Make the device's primary context current on this thread (a no-op when it is)."""
+        driver = cuda_driver()
+        current = check_driver(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if current is None or int(current) != int(self.context):
+            check_driver(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def function(self, direction: str, width: int) -> Any:
         return self.functions[f"tkv_{direction}_w{width}"]
@@ -268,7 +282,7 @@ _load_lock = threading.Lock()
 
 
 def device_arch(device_index: int) -> str:
-    driver = _driver()
+    driver = cuda_driver()
     check_driver(driver.cuInit(0), "cuInit")
     dev = check_driver(driver.cuDeviceGet(device_index), "cuDeviceGet")
     attr = driver.CUdevice_attribute
@@ -289,7 +303,7 @@ def load_kernels(device_index: int, cache: KernelCache | None = None) -> DeviceK
         if loaded is not None:
             _users[device_index] += 1
             return loaded
-        driver = _driver()
+        driver = cuda_driver()
         arch = device_arch(device_index)
         cubin = (cache or KernelCache()).get_or_compile(kernel_source(), CompileOptions(arch))
         dev = check_driver(driver.cuDeviceGet(device_index), "cuDeviceGet")
@@ -318,7 +332,7 @@ def release_kernels(device_index: int) -> None:
         _users.pop(device_index, None)
         if loaded is None:
             return
-        driver = _driver()
+        driver = cuda_driver()
         loaded.make_current()
         check_driver(driver.cuModuleUnload(loaded.module), "cuModuleUnload")
         dev = check_driver(driver.cuDeviceGet(device_index), "cuDeviceGet")

@@ -23,7 +23,7 @@ from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.calls import Call
 from tiered_kv.gpu.device import DeviceState, MoverOptions
-from tiered_kv.gpu.kernels import check_driver
+from tiered_kv.gpu.kernels import check_driver, cuda_driver
 from tiered_kv.gpu.plan import (
     JOB_MAX_BYTES,
     MAX_JOBS,
@@ -79,8 +79,7 @@ class Launcher:
         """One launch of the copy kernel over up to `MAX_JOBS` jobs of one group, on ``stream``
         (a ``CUstream``). The parameter block is packed into one reused buffer: the driver copies
         it at launch (under the lock: a layerwise load's waiter launches too)."""
-        from cuda.bindings import driver
-
+        driver = cuda_driver()
         rows = group.block_rows
         if rows is not None:
             for _, start, t0, n, _, _ in jobs:

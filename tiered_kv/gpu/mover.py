@@ -238,7 +238,7 @@ class CudaMover(KVMover):
             load.call_owns_objects = True
         if call.trace is not None:
             call.trace["call"] = time.perf_counter()
-        caller = torch.cuda.current_stream(state.device)
+        caller = state.current_stream()
         try:
             cancelled = await self._enqueue(call, plan, caller, to_host, block_ids, transfers)
         except BaseException:

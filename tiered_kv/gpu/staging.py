@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tiered_kv.gpu.completion import TransferClock
-from tiered_kv.gpu.kernels import check_driver
+from tiered_kv.gpu.kernels import check_driver, cuda_driver
 from tiered_kv.gpu.plan import Fill
 
 Job = tuple[int, int, int, int, int, int]  # (address, token_start, t_begin, tokens, l0, l1)
@@ -104,7 +104,7 @@ def copy_runs(runs: Sequence[tuple[int, int, int]], stream: object, *, to_host: 
     """Enqueue (destination, source, bytes) copies on ``stream``: runs that step evenly go as
     one `cuMemcpy2DAsync` (a 32-chunk layer-major fill: one call instead of 32), the rest one
     `cuMemcpyAsync` each."""
-    from cuda.bindings import driver
+    driver = cuda_driver()
 
     for copy in strided_copies(runs):
         if copy.rows == 1:

@@ -153,11 +153,57 @@ def whole_calls(cases: list[str], reps: int) -> None:
         case.close()
 
 
+def profile(case_name: str, calls: int) -> None:
+    """cProfile of ``calls`` one-chunk staging stores and retrieves: own time per call, in µs."""
+    import cProfile
+    import pstats
+
+    from tiered_kv.benchmarks.common import run_on_engine_loop
+    from tiered_kv.benchmarks.transfer import Case
+    from tiered_kv.gpu.mover import CudaMover, MoverOptions
+
+    case = Case(case_name, 1)
+
+    async def run() -> None:
+        mover = CudaMover(MoverOptions(path="staging"))
+        for direction in ("gather", "scatter"):
+            blocks, objs = (
+                (case.blocks_a, case.objs_a)
+                if direction == "gather"
+                else (case.blocks_b, case.objs_b)
+            )
+            move = getattr(mover, direction)
+            for _ in range(20):
+                await move(case.layout, blocks, case.transfers(objs, 1))
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(calls):
+                await move(case.layout, blocks, case.transfers(objs, 1))
+            profiler.disable()
+            stats = pstats.Stats(profiler)
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:30]  # type: ignore[attr-defined]
+            print(f"profile {case_name} {direction}@1: own µs per call (cProfile inflates them)")
+            for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+                where = f"{file.rsplit('/', 1)[-1]}:{line}({name})"
+                print(
+                    f"  {1e6 * tottime / calls:7.2f} own {1e6 * cumtime / calls:7.2f} cum "
+                    f"{ncalls / calls:5.1f}x  {where}"
+                )
+        await mover.aclose()
+
+    run_on_engine_loop(run())
+    case.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="int8_132,mla,llama_nhd")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--profile", help="only cProfile one-chunk staging calls of this case")
     args = parser.parse_args()
+    if args.profile:
+        profile(args.profile, 500)
+        return
     primitives()
     whole_calls(args.cases.split(","), args.reps)
 
