@@ -13,7 +13,7 @@ from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
 from tiered_kv.prefetch import PrefetchController
-from tiered_kv.storage import StorageManager
+from tiered_kv.storage import IN_L1, StorageManager
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
@@ -101,11 +101,11 @@ async def test_locate_asks_each_lower_tier_once_for_what_l1_lacks(
     assert await storage.flush() == 0
     assert storage.l1.remove(keys[2]) and storage.l1.remove(keys[3])
     await l2.remove(keys[3])  # chunk 3 only in L3
-    assert await storage.locate(keys) == [-1, -1, 0, 1]
+    assert await storage.locate(keys) == [IN_L1, IN_L1, 0, 1]
     assert (l2.asked, l3.asked) == ([2], [1])  # one round trip each, only the missing keys
     # A broken remote index is a miss (the prefix ends there), counted, never raised.
     l3.fail_contains = True
-    assert await storage.locate(keys) == [-1, -1, 0]
+    assert await storage.locate(keys) == [IN_L1, IN_L1, 0]
     stats = storage.stats()
     assert [tier.reads.failures for tier in stats.tiers] == [0, 1]
     assert stats.located_l1 == 4 and stats.located_misses == 1

@@ -370,8 +370,9 @@ def choose_claim(
     tiers: Sequence[TierCost],
     recompute: RecomputeCost,
 ) -> Claim:
-    """The prefix of ``where`` (-1: L1, i: ``tiers[i]``) worth loading for a prompt of
-    ``total_tokens``; see the module docstring."""
+    """The prefix of ``where`` (a located prefix, `tiered_kv.storage.StorageManager.locate`: a
+    negative location is L1 (`tiered_kv.storage.IN_L1`), ``i`` is ``tiers[i]``) worth loading
+    for a prompt of ``total_tokens``; see the module docstring."""
     located = len(where)
     everything = Claim(located, located, None, None)
     if not any(w >= 0 for w in where):

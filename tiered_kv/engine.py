@@ -38,7 +38,7 @@ from tiered_kv.memory import HostArena
 from tiered_kv.metrics import EngineCounters
 from tiered_kv.prefetch import PrefetchClaims, PrefetchController, PrefetchHandle, claims_of
 from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest, RetrieveResult
-from tiered_kv.storage import StorageManager
+from tiered_kv.storage import IN_L1, StorageManager
 from tiered_kv.tiers import factory as tier_factory
 from tiered_kv.tiers.base import LowerTier, TierEventLog
 from tiered_kv.tiers.l1 import L1Tier
@@ -468,7 +468,7 @@ class TieredKVEngine:
         self._counters.lookup_calls += 1
         self._counters.lookup_hit_tokens += tokens
         for key, location in zip(keys, where, strict=False):
-            if location == -1:
+            if location == IN_L1:
                 storage.l1.touch(key)  # about to be used: evict it last
         return tokens
 
@@ -476,9 +476,9 @@ class TieredKVEngine:
         self,
         reg: Registration,
         keys: Sequence[ChunkKey],
-        where: list[int | None],
+        where: list[int],
         num_tokens: int,
-    ) -> list[int | None]:
+    ) -> list[int]:
         """``where`` (a located prefix) cut to the claim worth loading (`choose_claim`, the
         ``"cost"`` policy), counting what is declined and probing its tiers."""
         if not where:
@@ -486,7 +486,7 @@ class TieredKVEngine:
         storage = self._require_storage()
         storage.expect_costs(keys, where)
         claim = choose_claim(
-            [-1 if w is None else w for w in where],
+            where,
             chunk_tokens=self.config.chunk_size,
             chunk_bytes=reg.layout.layout_desc.nbytes(self.config.chunk_size),
             total_tokens=num_tokens,
@@ -502,7 +502,7 @@ class TieredKVEngine:
         self,
         reg: Registration,
         keys: Sequence[ChunkKey],
-        where: Sequence[int | None],
+        where: Sequence[int],
         claimed: int,
         num_tokens: int,
     ) -> None:
@@ -513,7 +513,7 @@ class TieredKVEngine:
         seen: set[int] = set()
         for index in range(claimed, len(where)):
             tier = where[index]
-            if tier is None or tier < 0 or tier in seen:
+            if tier == IN_L1 or tier in seen:
                 continue
             seen.add(tier)
             if not storage.costs[tier].probe_due(now):
@@ -536,7 +536,7 @@ class TieredKVEngine:
         self,
         reg: Registration,
         keys: Sequence[ChunkKey],
-        where: Sequence[int | None],
+        where: Sequence[int],
         num_tokens: int,
         *,
         first_chunk: int,
@@ -708,7 +708,7 @@ class TieredKVEngine:
             handle = None
             if not all(map(storage.in_l1, keys[first:])):
                 where = await storage.locate(keys[first:])
-                if any(location != -1 for location in where):
+                if any(location != IN_L1 for location in where):
                     handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
         if handle is not None:
             self._extend_handle(handle, keys, num_tokens)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import MemoryObj
-from tiered_kv.storage import StorageManager
+from tiered_kv.storage import IN_L1, StorageManager
 
 logger = logging.getLogger(__name__)
 
@@ -218,21 +218,21 @@ class PrefetchController:
     # -- handles ----------------------------------------------------------------------------
     def start(
         self,
-        slots: Sequence[tuple[ChunkKey, int, int | None]],
+        slots: Sequence[tuple[ChunkKey, int, int]],
         layout: MemoryLayoutDesc,
         *,
         first_chunk: int = 0,
     ) -> PrefetchClaims:
         """The claims over a located prefix starting at chunk ``first_chunk``: per chunk (key,
-        token count, location), location -1 for L1, else the index of the first lower tier
-        holding it. Chunks in lower tiers get a reservation until one cannot be made (L1
-        pressure stops prefetching there)."""
+        token count, location), the location as `StorageManager.locate` gives it: `IN_L1`, else
+        the index of the first lower tier holding it. Chunks in lower tiers get a reservation
+        until one cannot be made (L1 pressure stops prefetching there)."""
         handle_slots: list[PrefetchSlot] = []
         stopped = False
         for offset, (key, num_tokens, where) in enumerate(slots):
-            slot = PrefetchSlot(first_chunk + offset, key, num_tokens, in_l1=where == -1)
+            slot = PrefetchSlot(first_chunk + offset, key, num_tokens, in_l1=where == IN_L1)
             handle_slots.append(slot)
-            if where is None or where == -1 or stopped:
+            if where == IN_L1 or stopped:
                 continue
             tiers = [where, *(i for i in self.storage.lower_holding(key) if i != where)]
             got = self.reserve(key, tiers, layout, num_tokens)

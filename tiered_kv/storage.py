@@ -17,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 from tiered_kv.config import WRITE_POLICIES
 from tiered_kv.cost import Claim, PageCachedTierCost, TierCost
@@ -38,6 +39,8 @@ TOUCH_INTERVAL_S = 0.5
 SELECTIVE_TRACKED_KEYS = 1 << 16  # hit counters kept for "selective" admission (LRU beyond)
 
 WRITE_THROUGH, WRITE_BACK, SELECTIVE = WRITE_POLICIES
+# `StorageManager.locate`'s location of a chunk in L1; a lower tier's is its index in ``lower``.
+IN_L1: Final = -1
 
 
 class BusyClock:
@@ -298,13 +301,14 @@ class StorageManager:
                 return index
         return len(keys)
 
-    async def locate(self, keys: Sequence[ChunkKey]) -> list[int | None]:
-        """Where each key of the longest cached prefix is: -1 for L1, ``i`` for ``lower[i]``.
+    async def locate(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Where each key of the longest cached prefix is: `IN_L1`, or ``i`` for ``lower[i]``
+        (the highest tier holding it).
 
         The list stops at the first key no tier holds (a gap ends the prefix). Lower tiers are
         asked with one batched `contains_many` each, only about the keys no higher tier holds.
         """
-        where: list[int | None] = [-1 if self.in_l1(key) else None for key in keys]
+        where: list[int | None] = [IN_L1 if self.in_l1(key) else None for key in keys]
         for index, tier in enumerate(self.lower):
             unknown = [i for i, w in enumerate(where) if w is None]
             if not unknown:
@@ -320,16 +324,18 @@ class StorageManager:
             for i, present in zip(unknown, found, strict=False):
                 if present:
                     where[i] = index
-        end = next((i for i, w in enumerate(where) if w is None), len(where))
-        for key, w in zip(keys, where[:end], strict=False):
-            if w == -1:
+        prefix: list[int] = []
+        for key, w in zip(keys, where, strict=True):
+            if w is None:  # a gap ends the prefix
+                self.located_misses += 1
+                break
+            if w == IN_L1:
                 self.located_l1 += 1
                 self._note_l1_hit(key)
-            elif w is not None:
+            else:
                 self.reads[w].located += 1
-        if end < len(where):
-            self.located_misses += 1
-        return where[:end]
+            prefix.append(w)
+        return prefix
 
     # -- store ------------------------------------------------------------------------------
     def allocate(self, layout: MemoryLayoutDesc, num_tokens: int) -> MemoryObj | None:
@@ -529,7 +535,7 @@ class StorageManager:
         )
         return True
 
-    def expect_costs(self, keys: Sequence[ChunkKey], where: Sequence[int | None]) -> None:
+    def expect_costs(self, keys: Sequence[ChunkKey], where: Sequence[int]) -> None:
         """Before a claim: each tier whose reads run at two speeds probes how many of the
         located chunks it holds are in the page cache (`LowerTier.cached_share`), and its cost
         model expects that mix (`PageCachedTierCost.expect_cached`)."""
