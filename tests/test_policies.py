@@ -4,6 +4,7 @@ tiers (write_through, write_back, selective), bounded write queues, config valid
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -261,7 +262,7 @@ async def test_selective_writes_after_n_hits(caches: KVCaches) -> None:
 
 async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCaches) -> None:
     l2, l3 = MemoryTier("L2"), MemoryTier("L3")
-    config = _config(write_policies="L2=write_back, l3=write_through")
+    config = _config(write_policies={"L2": "write_back", "l3": "write_through"})
     async with TieredKVEngine(config, lower_tiers=[l2, l3]) as e:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert (config.write_policy_for("L2"), config.write_policy_for("L3")) == (
@@ -305,8 +306,10 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
     [
         ("prefetch_policy", "later", "prefetch_policy"),
         ("write_policy", "sometimes", "write_policy"),
-        ("write_policies", "L2", "TIER=POLICY"),
-        ("write_policies", "L2=never", "TIER=POLICY"),
+        ("write_policies", "L2=write_back", "expected a mapping.*TIERED_KV_WRITE_POLICIES"),
+        ("write_policies", {"L2": "never"}, "write_policies\\['L2'\\]: expected one of"),
+        ("write_policies", {"": "write_back"}, "non-empty strings"),
+        ("write_policies", {"L2": "write_back", "l2": "selective"}, "two policies"),
         ("selective_min_hits", 0, "selective_min_hits"),
         ("prefetch_concurrency", True, "prefetch_concurrency"),
         ("prefetch_concurrency", 0, "prefetch_concurrency"),
@@ -321,6 +324,22 @@ async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCa
 def test_policy_config_is_validated(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_write_policies_are_a_read_only_mapping_by_upper_case_name() -> None:
+    source = {"l2": "write_back"}
+    config = EngineConfig(write_policies=source)  # type: ignore[arg-type]
+    source["l3"] = "selective"  # the config keeps its own copy
+    assert dict(config.write_policies) == {"L2": "write_back"}
+    with pytest.raises(TypeError):
+        config.write_policies["L3"] = "selective"  # type: ignore[index]
+    assert (config.write_policy_for("l2"), config.write_policy_for("L3")) == (
+        "write_back",
+        "write_through",
+    )
+    again = dataclasses.replace(config, chunk_size=128)
+    assert again.write_policies == config.write_policies
+    assert hash(again) == hash(dataclasses.replace(again))  # left out of the hash: hashable
 
 
 def test_policy_config_from_env() -> None:
@@ -347,7 +366,11 @@ def test_policy_config_from_env() -> None:
     assert (config.prefetch_l1_fraction, config.retrieve_batch_chunks) == (0.25, 4)
     assert config.write_policy_for("L2") == "write_back"
     assert config.write_policy_for("L3") == "selective"
+    assert dict(config.write_policies) == {"L2": "write_back"}
     assert config.selective_min_hits == 5
+    for bad in ("L2", "L2=never", "=write_back"):
+        with pytest.raises(ConfigError, match="TIERED_KV_WRITE_POLICIES: expected 'TIER=POLICY"):
+            EngineConfig.from_env({"TIERED_KV_WRITE_POLICIES": bad})
     with pytest.raises(ConfigError, match="TIERED_KV_PREFETCH_CONCURRENCY"):
         EngineConfig.from_env({"TIERED_KV_PREFETCH_CONCURRENCY": "many"})
     sized = EngineConfig.from_env(

@@ -139,7 +139,10 @@ class EngineConfig:
     write_policy: how every lower tier is written unless ``write_policies`` names it:
         "write_through", "write_back" (on L1 eviction) or "selective" (after
         ``selective_min_hits`` hits).
-    write_policies: per-tier overrides, e.g. "L2=write_back,L3=selective".
+    write_policies: per-tier overrides, tier name → policy, e.g. ``{"L2": "write_back",
+        "L3": "selective"}``; names compare without case. Stored as a read-only mapping
+        (`types.MappingProxyType`) keyed by upper-case names; left out of the config's hash.
+        ``TIERED_KV_WRITE_POLICIES`` gives it as ``L2=write_back,L3=selective``.
     selective_min_hits: hits a chunk needs before a "selective" tier stores it.
     layerwise: integrations (the vLLM connector) load and store layer by layer, overlapping
         the model (docs/layerwise.md); None means "for CUDA caches" (on the CPU a layer's wait
@@ -176,7 +179,9 @@ class EngineConfig:
     prefetch_max_pending: int = 256
     retrieve_batch_chunks: int = 16
     write_policy: WritePolicy = "write_through"
-    write_policies: str = ""
+    write_policies: Mapping[str, WritePolicy] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}), hash=False
+    )
     selective_min_hits: int = 2
     layerwise: bool | None = None
     load_policy: LoadPolicy = "cost"
@@ -263,28 +268,41 @@ class EngineConfig:
             raise ConfigError(
                 f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}"
             )
-        self.tier_write_policies()  # raises on a malformed override
+        self._freeze_write_policies()
 
-    def tier_write_policies(self) -> dict[str, str]:
-        """``write_policies`` parsed: tier name (upper case) -> policy."""
-        if not isinstance(self.write_policies, str):
-            raise ConfigError(f"write_policies: expected str, got {self.write_policies!r}")
-        out: dict[str, str] = {}
-        for item in self.write_policies.split(","):
-            if not item.strip():
-                continue
-            tier, sep, policy = item.partition("=")
-            tier, policy = tier.strip().upper(), policy.strip()
-            if not sep or not tier or policy not in WRITE_POLICIES:
+    def _freeze_write_policies(self) -> None:
+        """``write_policies`` checked and stored read-only under upper-case tier names."""
+        policies = self.write_policies
+        if isinstance(policies, str) or not isinstance(policies, Mapping):
+            hint = " (the 'TIER=POLICY,...' form is for TIERED_KV_WRITE_POLICIES)"
+            raise ConfigError(
+                "write_policies: expected a mapping tier name -> policy, e.g. "
+                f"{{'L2': 'write_back'}}, got {policies!r}"
+                + (hint if isinstance(policies, str) else "")
+            )
+        out: dict[str, WritePolicy] = {}
+        for tier, policy in policies.items():
+            if not isinstance(tier, str) or not tier.strip():
                 raise ConfigError(
-                    f"write_policies: expected 'TIER=POLICY[,...]' with POLICY one of "
-                    f"{WRITE_POLICIES}, got {item.strip()!r}"
+                    f"write_policies: tier names must be non-empty strings, got {tier!r}"
                 )
-            out[tier] = policy
-        return out
+            if policy not in WRITE_POLICIES:
+                raise ConfigError(
+                    f"write_policies[{tier!r}]: expected one of {WRITE_POLICIES}, got {policy!r}"
+                )
+            name = tier.strip().upper()
+            if out.get(name, policy) != policy:
+                raise ConfigError(
+                    f"write_policies: tier {name} is given two policies, {out[name]!r} and "
+                    f"{policy!r} (tier names compare without case)"
+                )
+            out[name] = policy
+        object.__setattr__(self, "write_policies", MappingProxyType(out))
 
-    def write_policy_for(self, tier_name: str) -> str:
-        return self.tier_write_policies().get(tier_name.upper(), self.write_policy)
+    def write_policy_for(self, tier_name: str) -> WritePolicy:
+        """The policy of the lower tier ``tier_name``: its ``write_policies`` entry, else
+        ``write_policy``."""
+        return self.write_policies.get(tier_name.upper(), self.write_policy)
 
     def _check_l3_options(self) -> None:
         if isinstance(self.l3_timeout_s, bool) or not isinstance(self.l3_timeout_s, int | float):
@@ -546,4 +564,24 @@ def _from_env_string(name: str, raw: str) -> Any:
         raise ConfigError(f"TIERED_KV_{name.upper()}: expected true/false, got {raw!r}")
     if name in ("l2_path", "l3_url"):
         return raw or None
+    if name == "write_policies":
+        return _parse_write_policies(raw)
     return raw
+
+
+def _parse_write_policies(raw: str) -> dict[str, str]:
+    """``TIERED_KV_WRITE_POLICIES`` ("L2=write_back,L3=selective") as tier name -> policy;
+    `EngineConfig` checks the names and policies."""
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        tier, sep, policy = item.partition("=")
+        tier, policy = tier.strip(), policy.strip()
+        if not sep or not tier or policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"TIERED_KV_WRITE_POLICIES: expected 'TIER=POLICY[,...]' with POLICY one of "
+                f"{WRITE_POLICIES}, got {item.strip()!r}"
+            )
+        out[tier] = policy
+    return out
