@@ -8,6 +8,7 @@ so the event loop never blocks on a copy.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, check_layers
 from tiered_kv.layout import KVCacheLayout, LayerGroup
 from tiered_kv.threads import BlockingPool
@@ -58,6 +59,10 @@ def gather_chunk(
     runs = _runs(layout, block_ids, transfer.token_start, obj.num_tokens)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
+        pieces = _byte_pieces(group, runs)
+        if pieces is not None:
+            _copy_pieces(group, host, 0, pieces, layers, to_host=True)
+            continue
         for i, kv in enumerate(group.kv_views):
             if layers is not None and group.layer_indices[i] not in layers:
                 continue
@@ -84,6 +89,10 @@ def scatter_chunk(
     runs = _runs(layout, block_ids, transfer.token_start + skip, count)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
+        pieces = _byte_pieces(group, runs)
+        if pieces is not None:
+            _copy_pieces(group, host, skip, pieces, layers, to_host=False)
+            continue
         shape = _row_shape(group)
         for i, kv in enumerate(group.kv_views):
             if layers is not None and group.layer_indices[i] not in layers:
@@ -93,6 +102,64 @@ def scatter_chunk(
                 target = _byte_view(view)
                 for block, slot, row, run in runs:
                     target[block, slot : slot + run].copy_(rows[row : row + run])
+
+
+def _byte_pieces(
+    group: LayerGroup, runs: Sequence[tuple[int, int, int, int]]
+) -> list[tuple[int, int, int]] | None:
+    """For CPU caches whose token rows are contiguous within a block (NHD-like, or whole
+    blocks): ``runs`` as (paged byte offset, host row, rows) pieces, each one contiguous range
+    on both sides, runs over blocks adjacent in memory merged. None otherwise (strided rows:
+    copied with torch). Block ids out of the group's range raise `LayoutError` (the pieces are
+    raw addresses)."""
+    s = group.strides
+    if not group.kv_views or group.kv_views[0][0].device.type != "cpu":
+        return None
+    item = group.host.dtype.itemsize
+    row_bytes = group.host.row_bytes
+    if s.pos_stride * item != row_bytes or (s.num_heads > 1 and s.head_stride != s.head_size):
+        return None
+    block_bytes = s.block_stride * item
+    pieces: list[tuple[int, int, int]] = []
+    end = -1  # paged byte offset just past the last piece
+    for block, slot, row, count in runs:
+        if not 0 <= block < s.num_blocks:
+            raise LayoutError(f"block id {block} out of range [0, {s.num_blocks})")
+        start = block * block_bytes + slot * row_bytes
+        if start == end:
+            first, first_row, rows = pieces[-1]
+            pieces[-1] = (first, first_row, rows + count)
+        else:
+            pieces.append((start, row, count))
+        end = start + count * row_bytes
+    return pieces
+
+
+def _copy_pieces(
+    group: LayerGroup,
+    host: torch.Tensor,
+    skip: int,
+    pieces: Sequence[tuple[int, int, int]],
+    layers: Collection[int] | None,
+    *,
+    to_host: bool,
+) -> None:
+    """Copy `_byte_pieces` between every selected layer's paged cache and ``host`` (the group's
+    ``[L, K, T, row_bytes]`` bytes, from row ``skip`` on): one memmove per piece, which
+    releases the GIL and costs none of a tensor slice's dispatch."""
+    row_bytes = group.host.row_bytes
+    for i, kv in enumerate(group.kv_views):
+        if layers is not None and group.layer_indices[i] not in layers:
+            continue
+        for k, view in enumerate(kv):
+            paged = view.data_ptr()
+            rows = host[i, k].data_ptr() + skip * row_bytes
+            for offset, row, count in pieces:
+                a, b = paged + offset, rows + row * row_bytes
+                if to_host:
+                    ctypes.memmove(b, a, count * row_bytes)
+                else:
+                    ctypes.memmove(a, b, count * row_bytes)
 
 
 def _row_shape(group: LayerGroup) -> tuple[int, int]:
