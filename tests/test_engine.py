@@ -67,6 +67,13 @@ def test_blocking_verbs_have_the_async_verbs_signatures() -> None:
         blocking, original = getattr(SyncTieredKVEngine, name), getattr(TieredKVEngine, name)
         assert inspect.signature(blocking) == inspect.signature(original), name
         assert blocking.__doc__ == original.__doc__, name
+    # The verbs whose blocking handles change a type are written out: same parameters still.
+    for name in ["prefetch", "retrieve", "retrieve_layerwise", "store_layerwise"]:
+        blocking = inspect.signature(getattr(SyncTieredKVEngine, name)).parameters
+        original = inspect.signature(getattr(TieredKVEngine, name)).parameters
+        assert [(p.name, p.kind, p.default) for p in blocking.values()] == [
+            (p.name, p.kind, p.default) for p in original.values()
+        ], name
     # The blocking facade lives in tiered_kv.sync only (no alias back in engine: no cycle).
     assert not hasattr(tiered_kv.engine, "SyncTieredKVEngine")
 

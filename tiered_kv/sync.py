@@ -3,7 +3,11 @@
 Owns the engine's event loop (uvloop when installed, `new_event_loop`) and the thread that runs
 it, and `SyncPrefetchHandle`. Each blocking verb is made from the async engine's method of the
 same name (`_blocking`, `_on_loop`), so its signature, types and docstring are written once, on
-`TieredKVEngine`. Must not hold engine state of its own: every call runs on the engine's loop.
+`TieredKVEngine`; except the verbs that take or give a handle (`prefetch`, `retrieve`,
+`retrieve_layerwise`, `store_layerwise`), whose blocking handle changes one parameter's or the
+result's type, which a `ParamSpec` cannot express: those are written out, and a test keeps their
+parameters those of the async verbs. Must not hold engine state of its own: every call runs on
+the engine's loop.
 
 A facade still open when the interpreter exits (a script that just ends, as vLLM's scripts do)
 is closed by an ``atexit`` hook: pending lower-tier writes are flushed within
@@ -146,10 +150,15 @@ class SyncTieredKVEngine:
         model_name: str | None = None,
         salt: KeySalt | None = None,
         from_token: int = 0,
+        worth_loading: bool = False,
     ) -> SyncPrefetchHandle:
         """`TieredKVEngine.prefetch` behind a blocking handle."""
         handle = self._engine.prefetch(
-            token_ids, model_name=model_name, salt=salt, from_token=from_token
+            token_ids,
+            model_name=model_name,
+            salt=salt,
+            from_token=from_token,
+            worth_loading=worth_loading,
         )
         return SyncPrefetchHandle(self, self._call(handle))
 
