@@ -17,6 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "snapshot", "threads", "cost"),
     ("config", "keys", "codec"),
     ("layout",),
+    ("request",),
     ("memory",),
     ("tiers", "gpu.base", "gpu.kernels", "gpu.completion"),
     ("gpu.plan", "gpu.events", "gpu.reference"),
@@ -30,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("storage",),
     ("prefetch", "layerwise_store"),
     ("retrieval", "metrics"),
+    ("runtime",),
     ("engine",),
     ("sync",),
     ("", "integrations", "benchmarks"),  # "": the package's __init__ (the public names)

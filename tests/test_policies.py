@@ -422,6 +422,7 @@ async def test_two_tiers_of_one_name_are_refused_and_the_arena_is_freed(
     engine = TieredKVEngine(config, lower_tiers=[MemoryTier(name) for name in tiers])
     with pytest.raises(ConfigError, match=f"two tiers are named {named}"):
         await engine.open()
-    assert engine._arena is None  # freed, not left pinned
+    assert engine.stats().arena is None  # freed, not left pinned
     async with TieredKVEngine(config, lower_tiers=[MemoryTier("cold")]) as e:
-        assert [t.name for t in e._require_storage().lower] == (["L2", "cold"] if l2 else ["cold"])
+        names = [t.name for t in e.stats().storage.tiers]
+        assert names == (["L2", "cold"] if l2 else ["cold"])

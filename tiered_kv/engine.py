@@ -1,11 +1,13 @@
 """`TieredKVEngine`, the facade serving stacks call (its blocking twin is in `tiered_kv.sync`).
 
-Owns: registrations of KV caches (model, world size, worker → layout + key scope), the request
-verbs (store / lookup / prefetch / retrieve), the prefetch policies of retrieve, argument
-validation, and the lifetime of the arena, tiers, prefetch controller and mover. Everything else
-is delegated: keys to `keys`, formats to `layout`, bytes to the mover, placement and write
-policies to the `StorageManager`, loads ahead of retrieve to the `PrefetchController`, the
-statistics snapshot's views to `metrics`.
+Owns the request verbs (store / lookup / prefetch / retrieve and their layerwise forms), the
+choices they make (which chunks to stage, the claim worth loading, which prefetch a retrieve
+uses), the engine's counters, and its lifetime: calls in flight, open and close. Everything else
+is delegated: arguments and registrations to `request`, the running parts (arena, tiers,
+prefetch controller, mover) to `runtime`, keys to `keys`, formats to `layout`, bytes to the
+mover, placement and write policies to the `StorageManager`, loads ahead of retrieve to the
+`PrefetchController`, retrieve's walk to `retrieval`, the statistics snapshot's views to
+`metrics`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import operator
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -30,33 +31,20 @@ from tiered_kv.config import (
 from tiered_kv.cost import RecomputeCost, choose_claim
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
-from tiered_kv.gpu.dispatch import DeviceMover
 from tiered_kv.keys import ChunkKey, KeyMemo, KeySalt, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
-from tiered_kv.layout import KVCacheLayout, MemoryLayoutDesc, build_layout
-from tiered_kv.memory import HostArena
+from tiered_kv.layout import MemoryLayoutDesc, build_layout
 from tiered_kv.metrics import EngineCounters
-from tiered_kv.prefetch import PrefetchClaims, PrefetchController, PrefetchHandle, claims_of
-from tiered_kv.retrieval import LayerwiseRetrieve, Retriever, RetrieveRequest, RetrieveResult
-from tiered_kv.storage import IN_L1, StorageManager
-from tiered_kv.tiers import factory as tier_factory
+from tiered_kv.prefetch import PrefetchClaims, PrefetchHandle, claims_of
+from tiered_kv.request import Registration, Registrations, Request, int_argument
+from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveRequest, RetrieveResult
+from tiered_kv.runtime import EngineRuntime
+from tiered_kv.storage import IN_L1
 from tiered_kv.tiers.base import LowerTier, TierEventLog
-from tiered_kv.tiers.l1 import L1Tier
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Registration:
-    model_name: str
-    world_size: int
-    worker_id: int
-    layout: KVCacheLayout
-    scope: KeyScope
-
-
 _P = ParamSpec("_P")
 
 
@@ -107,17 +95,11 @@ class TieredKVEngine:
         self.recompute = RecomputeCost(recompute_seconds)
         self._mover_override = mover
         self._extra_tiers = tuple(lower_tiers)
-        self._registrations: dict[str, Registration] = {}
+        self._registrations = Registrations()
         self._counters = EngineCounters()
-        self._arena: HostArena | None = None
-        self._storage: StorageManager | None = None
-        self._prefetch: PrefetchController | None = None
-        self._probes: set[asyncio.Task[None]] = set()  # reads of declined tiers' chunks
         # The keys of recent token sequences: a request's lookup and retrieve hash them once.
         self._keys = KeyMemo()
-        self._mover: KVMover | None = None
-        self._retriever: Retriever | None = None
-        self._layerwise_stores: set[LayerwiseStore] = set()  # begun, not yet committed/aborted
+        self._runtime: EngineRuntime | None = None  # from open until close begins
         self._closed = False
         # Tasks inside a public verb (with nesting depth): aclose lets them finish first.
         self._calls: dict[asyncio.Task[Any], int] = {}
@@ -128,38 +110,17 @@ class TieredKVEngine:
     async def open(self) -> TieredKVEngine:
         if self._closed:
             raise EngineStateError("TieredKVEngine: cannot reopen a closed engine")
-        if self._storage is not None:
+        if self._runtime is not None:
             return self
-        self._arena = HostArena(self.config.l1_bytes, pin=self.config.pin_memory)
-        storage: StorageManager | None = None
-        try:
-            l1 = L1Tier(self._arena)
-            lower = [*tier_factory.lower_tiers(self.config), *self._extra_tiers]
-            storage = StorageManager(
-                l1,
-                lower,
-                write_queue=self.config.lower_write_queue,
-                write_policies={t.name: self.config.write_policy_for(t.name) for t in lower},
-                selective_min_hits=self.config.selective_min_hits,
-            )
-            await storage.open()
-        except BaseException:  # a refused tier set or a tier that did not open: free the arena
-            if storage is not None:
-                await storage.aclose(0)
-            self._arena.close()
-            self._arena = None
-            raise
-        self._storage = storage
-        self._prefetch = PrefetchController(
-            storage,
-            concurrency=self.config.prefetch_concurrency,
-            l1_budget_bytes=int(self._arena.capacity * self.config.prefetch_l1_fraction),
+        runtime = self._runtime = await EngineRuntime.open(
+            self.config,
+            mover=self._mover_override,
+            extra_tiers=self._extra_tiers,
+            counters=self._counters,
         )
-        self._mover = self._mover_override or DeviceMover()
-        self._retriever = Retriever(storage, self._prefetch, self._mover, self._counters)
         try:
-            for registration in self._registrations.values():
-                self._mover.prepare(registration.layout)
+            for registration in self._registrations:
+                runtime.mover.prepare(registration.layout)
         except BaseException:
             await self.aclose()
             raise
@@ -179,7 +140,7 @@ class TieredKVEngine:
     @_call
     async def flush(self, timeout: float | None = None) -> int:
         """Wait until queued lower-tier writes finish; returns how many were still pending."""
-        return await self._require_storage().flush(timeout)
+        return await self._running().storage.flush(timeout)
 
     @_call
     async def evict_l1(self, max_bytes: int | None = None) -> int:
@@ -187,13 +148,13 @@ class TieredKVEngine:
 
         Chunks still waiting for their lower-tier write are referenced by the write queue and stay.
         """
-        return self._require_storage().l1.evict_unreferenced(max_bytes)
+        return self._running().storage.l1.evict_unreferenced(max_bytes)
 
     def watch_tiers(self, capacity: int = 8192) -> TierEventLog:
         """A bounded `TierEventLog` of chunks entering and leaving every tier from now on (a
         router's KV events are made from it); one listener: a new call replaces the old log."""
         log = TierEventLog(capacity)
-        self._require_storage().watch(log)
+        self._running().storage.watch(log)
         return log
 
     async def aclose(self) -> None:
@@ -219,38 +180,25 @@ class TieredKVEngine:
                 logger.warning(
                     "tiered_kv: %d calls still running at close were cancelled", len(running)
                 )
-        for store in list(self._layerwise_stores):
-            await store.abort()  # never committed: nothing of it becomes visible
-        storage, mover, arena = self._storage, self._mover, self._arena
-        prefetch, self._prefetch = self._prefetch, None
-        self._storage = self._mover = None
-        self._retriever = None
+        runtime, self._runtime = self._runtime, None
         try:
-            for probe in list(self._probes):
-                probe.cancel()
-            if self._probes:
-                await asyncio.wait(list(self._probes))
-            if prefetch is not None:
-                await prefetch.aclose()
-            if storage is not None:
-                remaining = max(0.0, deadline - loop.time())
-                self.dropped_on_close = await storage.aclose(remaining)
-                if self.dropped_on_close:
-                    logger.warning(
-                        "tiered_kv: %d chunk writes to lower tiers were dropped at close",
-                        self.dropped_on_close,
-                    )
+            if runtime is not None:
+                await runtime.abort_layerwise_stores()  # never committed: none of it visible
+                try:
+                    remaining = max(0.0, deadline - loop.time())
+                    await runtime.aclose(remaining, self._registrations)
+                finally:
+                    self.dropped_on_close = runtime.dropped_writes
+                    self.leaked_on_close = runtime.leaked_bytes
         finally:
-            if mover is not None:
-                for registration in self._registrations.values():
-                    mover.forget(registration.layout)
-                await mover.aclose()
             # A closed engine cannot reopen: let go of the engine's KV tensors.
             self._registrations.clear()
-            if arena is not None:
-                leaked = self.leaked_on_close = arena.close()
-                if leaked:
-                    logger.error("tiered_kv: %d host bytes still referenced at close", leaked)
+
+    def _running(self) -> EngineRuntime:
+        if self._runtime is None:
+            state = "closed" if self._closed else "not open"
+            raise EngineStateError(f"TieredKVEngine is {state}; use 'async with' or open()")
+        return self._runtime
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(
@@ -282,14 +230,14 @@ class TieredKVEngine:
             )
         except (TypeError, ValueError) as exc:
             raise LayoutError(str(exc)) from None
-        if self._mover is not None:
-            self._mover.prepare(layout)
-        previous = self._registrations.get(model_name)
-        self._registrations[model_name] = Registration(
-            model_name, world_size, worker_id, layout, scope
+        mover = None if self._runtime is None else self._runtime.mover
+        if mover is not None:
+            mover.prepare(layout)
+        previous = self._registrations.put(
+            Registration(model_name, world_size, worker_id, layout, scope)
         )
-        if previous is not None and self._mover is not None:
-            self._mover.forget(previous.layout)  # the old caches must not stay allocated
+        if previous is not None and mover is not None:
+            mover.forget(previous.layout)  # the old caches must not stay allocated
         return layout.layout_desc
 
     def chunk_keys(
@@ -303,82 +251,28 @@ class TieredKVEngine:
 
         Every request verb takes ``salt`` too: what changes the request's KV beyond its tokens
         (`KeySalt`); requests share chunks only where their salts agree."""
-        reg = self._registration(model_name)
-        return self._key_list(reg, _whole_blocks(reg, token_ids), salt)
+        return self._request(token_ids, model_name, salt).keys
 
     def tier_of(self, key: ChunkKey) -> str | None:
         """The highest tier whose index holds ``key`` (no I/O: a remote tier answers from the
         keys it has seen), or None."""
-        return self._require_storage().tier_of(key)
-
-    def _key_list(
-        self, reg: Registration, token_ids: TokenIds, salt: KeySalt | None = None
-    ) -> list[ChunkKey]:
-        if salt is not None and not isinstance(salt, KeySalt):
-            raise TypeError(f"salt: expected a KeySalt or None, got {type(salt).__name__}")
-        return self._keys.chunk_keys(reg.scope, token_ids, self.config.chunk_size, salt)
+        return self._running().storage.tier_of(key)
 
     def layout_desc(self, model_name: str | None = None) -> MemoryLayoutDesc:
-        return self._registration(model_name).layout.layout_desc
+        return self._registrations.get(model_name).layout.layout_desc
 
-    def _registration(self, model_name: str | None) -> Registration:
-        if model_name is None:
-            if len(self._registrations) == 1:
-                return next(iter(self._registrations.values()))
-            if not self._registrations:
-                raise EngineStateError("no KV caches registered; call register_kv_caches first")
-            raise EngineStateError(
-                f"several models registered {sorted(self._registrations)}; pass model_name="
-            )
-        try:
-            return self._registrations[model_name]
-        except KeyError:
-            raise EngineStateError(
-                f"model {model_name!r} is not registered; registered: {sorted(self._registrations)}"
-            ) from None
-
-    def _require_storage(self) -> StorageManager:
-        if self._storage is None:
-            state = "closed" if self._closed else "not open"
-            raise EngineStateError(f"TieredKVEngine is {state}; use 'async with' or open()")
-        return self._storage
-
-    def _require_mover(self) -> KVMover:
-        self._require_storage()
-        assert self._mover is not None  # set together with the storage manager
-        return self._mover
-
-    def _require_retriever(self) -> Retriever:
-        if self._retriever is None:
-            state = "closed" if self._closed else "not open"
-            raise EngineStateError(f"TieredKVEngine is {state}; use 'async with' or open()")
-        return self._retriever
-
-    def _require_prefetch(self) -> PrefetchController:
-        self._require_storage()
-        assert self._prefetch is not None  # set together with the storage manager
-        return self._prefetch
+    def _request(
+        self, token_ids: TokenIds, model_name: str | None, salt: KeySalt | None
+    ) -> Request:
+        return Request.of(
+            self._registrations.get(model_name),
+            token_ids,
+            salt,
+            memo=self._keys,
+            chunk_size=self.config.chunk_size,
+        )
 
     # -- request verbs ----------------------------------------------------------------------
-    def _chunk_tokens(self, index: int, total: int) -> int:
-        return min(self.config.chunk_size, total - index * self.config.chunk_size)
-
-    def _check_blocks(
-        self, reg: Registration, block_ids: Sequence[int], num_tokens: int
-    ) -> list[int]:
-        needed = -(-num_tokens // reg.layout.block_size)
-        ids = _block_id_list(block_ids)
-        if len(ids) < needed:
-            raise LayoutError(
-                f"block_ids: {num_tokens} tokens need {needed} blocks of "
-                f"{reg.layout.block_size}, got {len(ids)}"
-            )
-        ids = ids[:needed]
-        if ids and not 0 <= min(ids) <= max(ids) < reg.layout.num_blocks:
-            bad = [b for b in ids if not 0 <= b < reg.layout.num_blocks]
-            raise LayoutError(f"block_ids: {bad[:8]} out of range [0, {reg.layout.num_blocks})")
-        return ids
-
     @_call
     async def store(
         self,
@@ -396,14 +290,10 @@ class TieredKVEngine:
         ``skip_prefix_tokens`` (a whole number of chunks) leaves the chunks before it out: their
         blocks need not hold their KV (a sliding-window layer group has dropped them).
         """
-        storage = self._require_storage()
-        mover = self._require_mover()
-        reg = self._registration(model_name)
-        token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids, salt)
-        num_tokens = _count(token_ids)
-        ids = self._check_blocks(reg, block_ids, num_tokens)
-        skip_prefix_tokens = _int_argument("skip_prefix_tokens", skip_prefix_tokens)
+        runtime = self._running()
+        request = self._request(token_ids, model_name, salt)
+        ids = request.block_ids(block_ids)
+        skip_prefix_tokens = int_argument("skip_prefix_tokens", skip_prefix_tokens)
         if skip_prefix_tokens < 0 or skip_prefix_tokens % self.config.chunk_size:
             raise LayoutError(
                 f"store: skip_prefix_tokens={skip_prefix_tokens} must be a whole number >= 0 of "
@@ -413,13 +303,13 @@ class TieredKVEngine:
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         try:
             first = skip_prefix_tokens // self.config.chunk_size
-            staged = self._stage(storage, reg, keys, num_tokens, first=first)
+            staged = self._stage(runtime, request, first=first)
             if not staged:
                 return 0
-            await mover.gather(reg.layout, ids, [transfer for _, transfer in staged])
+            await runtime.mover.gather(request.layout, ids, [transfer for _, transfer in staged])
             stored = 0
             for key, transfer in staged:
-                if storage.commit(key, transfer.obj):
+                if runtime.storage.commit(key, transfer.obj):
                     stored += transfer.obj.num_tokens
                     self._counters.stored_chunks += 1
             self._counters.stored_tokens += stored
@@ -453,62 +343,49 @@ class TieredKVEngine:
         `tiered_kv.cost.PROBE_INTERVAL_S` (the engine's own read, so that its estimate follows
         the tier).
         """
-        storage = self._require_storage()
-        reg = self._registration(model_name)
-        token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids, salt)
-        num_tokens = _count(token_ids)
+        runtime = self._running()
+        request = self._request(token_ids, model_name, salt)
         policy = self.config.load_policy if load_policy is None else load_policy
         if policy not in LOAD_POLICIES:
             raise ConfigError(f"load_policy: expected one of {LOAD_POLICIES}, got {policy!r}")
-        where = await storage.locate(keys)
+        where = await runtime.storage.locate(request.keys)
         if policy == "cost":
-            where = self._worth_loading(reg, keys, where, num_tokens)
-        tokens = min(len(where) * self.config.chunk_size, num_tokens)
+            where = self._worth_loading(runtime, request, where)
+        tokens = min(len(where) * self.config.chunk_size, request.num_tokens)
         self._counters.lookup_calls += 1
         self._counters.lookup_hit_tokens += tokens
-        for key, location in zip(keys, where, strict=False):
+        for key, location in zip(request.keys, where, strict=False):
             if location == IN_L1:
-                storage.l1.touch(key)  # about to be used: evict it last
+                runtime.storage.l1.touch(key)  # about to be used: evict it last
         return tokens
 
     def _worth_loading(
-        self,
-        reg: Registration,
-        keys: Sequence[ChunkKey],
-        where: list[int],
-        num_tokens: int,
+        self, runtime: EngineRuntime, request: Request, where: list[int]
     ) -> list[int]:
         """``where`` (a located prefix) cut to the claim worth loading (`choose_claim`, the
         ``"cost"`` policy), counting what is declined and probing its tiers."""
         if not where:
             return where
-        storage = self._require_storage()
-        storage.expect_costs(keys, where)
+        storage = runtime.storage
+        storage.expect_costs(request.keys, where)
         claim = choose_claim(
             where,
             chunk_tokens=self.config.chunk_size,
-            chunk_bytes=reg.layout.layout_desc.nbytes(self.config.chunk_size),
-            total_tokens=num_tokens,
+            chunk_bytes=request.layout.layout_desc.nbytes(self.config.chunk_size),
+            total_tokens=request.num_tokens,
             tiers=storage.costs,
             recompute=self.recompute,
         )
         storage.note_declined(claim)
         if claim.declined:
-            self._probe_declined(reg, keys, where, claim.chunks, num_tokens)
+            self._probe_declined(runtime, request, where, claim.chunks)
         return where[: claim.chunks]
 
     def _probe_declined(
-        self,
-        reg: Registration,
-        keys: Sequence[ChunkKey],
-        where: Sequence[int],
-        claimed: int,
-        num_tokens: int,
+        self, runtime: EngineRuntime, request: Request, where: Sequence[int], claimed: int
     ) -> None:
         """Read the first declined chunk of each declined tier whose probe is due into L1 in
         the background (`tiered_kv.cost.TierCost.probe_due`)."""
-        storage = self._require_storage()
         now = asyncio.get_running_loop().time()
         seen: set[int] = set()
         for index in range(claimed, len(where)):
@@ -516,12 +393,12 @@ class TieredKVEngine:
             if tier == IN_L1 or tier in seen:
                 continue
             seen.add(tier)
-            if not storage.costs[tier].probe_due(now):
+            if not runtime.storage.costs[tier].probe_due(now):
                 continue
-            handle = self._start_prefetch(reg, keys, [tier], num_tokens, first_chunk=index)
-            task = asyncio.create_task(self._finish_probe(handle), name="tkv-cost-probe")
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+            handle = self._start_prefetch(runtime, request, [tier], first_chunk=index)
+            runtime.track_probe(
+                asyncio.create_task(self._finish_probe(handle), name="tkv-cost-probe")
+            )
             self._counters.cost_probes += 1
 
     @staticmethod
@@ -532,22 +409,17 @@ class TieredKVEngine:
         finally:
             handle.cancel()
 
+    @staticmethod
     def _start_prefetch(
-        self,
-        reg: Registration,
-        keys: Sequence[ChunkKey],
-        where: Sequence[int],
-        num_tokens: int,
-        *,
-        first_chunk: int,
+        runtime: EngineRuntime, request: Request, where: Sequence[int], *, first_chunk: int
     ) -> PrefetchClaims:
         slots = [
-            (key, self._chunk_tokens(first_chunk + i, num_tokens), location)
-            for i, (key, location) in enumerate(zip(keys[first_chunk:], where, strict=False))
+            (key, request.chunk_tokens(first_chunk + i), location)
+            for i, (key, location) in enumerate(
+                zip(request.keys[first_chunk:], where, strict=False)
+            )
         ]
-        return self._require_prefetch().start(
-            slots, reg.layout.layout_desc, first_chunk=first_chunk
-        )
+        return runtime.prefetch.start(slots, request.layout.layout_desc, first_chunk=first_chunk)
 
     @_call
     async def prefetch(
@@ -570,19 +442,17 @@ class TieredKVEngine:
         (a serving stack's lookup that prefetches what it claims); with ``from_token`` > 0 the
         caller has decided already and it is ignored.
         """
-        storage = self._require_storage()
-        reg = self._registration(model_name)
-        token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids, salt)
-        from_token = _int_argument("from_token", from_token)
+        runtime = self._running()
+        request = self._request(token_ids, model_name, salt)
+        from_token = int_argument("from_token", from_token)
         if from_token < 0:
             raise LayoutError(f"prefetch: from_token must be >= 0, got {from_token}")
-        first = min(from_token // self.config.chunk_size, len(keys))
-        where = await storage.locate(keys[first:])
+        first = min(from_token // self.config.chunk_size, len(request.keys))
+        where = await runtime.storage.locate(request.keys[first:])
         if worth_loading and first == 0 and self.config.load_policy == "cost":
-            where = self._worth_loading(reg, keys, where, _count(token_ids))
+            where = self._worth_loading(runtime, request, where)
         self._counters.prefetch_calls += 1
-        claims = self._start_prefetch(reg, keys, where, _count(token_ids), first_chunk=first)
+        claims = self._start_prefetch(runtime, request, where, first_chunk=first)
         return PrefetchHandle(claims)
 
     @_call
@@ -611,12 +481,12 @@ class TieredKVEngine:
         a prefix never needs more L1 room than one batch plus the loads in flight.
         """
         try:
-            request = await self._retrieve_request(
+            retrieve = await self._retrieve_request(
                 token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
             )
-            if isinstance(request, RetrieveResult):
-                return request
-            return await self._require_retriever().whole(request)
+            if isinstance(retrieve, RetrieveResult):
+                return retrieve
+            return await self._running().retriever.whole(retrieve)
         finally:
             if isinstance(prefetch, PrefetchHandle):
                 prefetch.close()  # handed over: ended however the retrieve ends
@@ -646,14 +516,14 @@ class TieredKVEngine:
         for `retrieve`.
         """
         try:
-            request = await self._retrieve_request(
+            retrieve = await self._retrieve_request(
                 token_ids, block_ids, skip_prefix_tokens, model_name, policy, salt, prefetch
             )
             self._counters.retrieve_layerwise_calls += 1
-            if isinstance(request, RetrieveResult):
-                reg = self._registration(model_name)
-                return LayerwiseRetrieve(request, FinishedLayerLoad(reg.layout.num_layers))
-            return await self._require_retriever().layerwise(request)
+            if isinstance(retrieve, RetrieveResult):
+                num_layers = self._registrations.get(model_name).layout.num_layers
+                return LayerwiseRetrieve(retrieve, FinishedLayerLoad(num_layers))
+            return await self._running().retriever.layerwise(retrieve)
         finally:
             if isinstance(prefetch, PrefetchHandle):
                 prefetch.close()  # handed over: ended however the retrieve ends
@@ -670,37 +540,37 @@ class TieredKVEngine:
     ) -> RetrieveRequest | RetrieveResult:
         """Validate a retrieve's arguments and take the caller's prefetch (or start one); a
         `RetrieveResult` when nothing past ``skip_prefix_tokens`` is to be loaded."""
-        storage = self._require_storage()
-        reg = self._registration(model_name)
+        runtime = self._running()
+        registration = self._registrations.get(model_name)
         policy = self.config.prefetch_policy if policy is None else policy
         if policy not in PREFETCH_POLICIES:
             raise ConfigError(f"policy: expected one of {PREFETCH_POLICIES}, got {policy!r}")
-        num_tokens = _count(token_ids)
-        skip_prefix_tokens = _int_argument("skip_prefix_tokens", skip_prefix_tokens)
-        if not 0 <= skip_prefix_tokens <= num_tokens:
+        given_tokens = len(token_ids)
+        skip_prefix_tokens = int_argument("skip_prefix_tokens", skip_prefix_tokens)
+        if not 0 <= skip_prefix_tokens <= given_tokens:
             raise LayoutError(
-                f"skip_prefix_tokens must be in [0, {num_tokens}], got {skip_prefix_tokens!r}"
+                f"skip_prefix_tokens must be in [0, {given_tokens}], got {skip_prefix_tokens!r}"
             )
-        multiple = reg.layout.layout_desc.token_multiple
+        multiple = registration.layout.layout_desc.token_multiple
         if skip_prefix_tokens % multiple:
             raise LayoutError(
                 f"skip_prefix_tokens={skip_prefix_tokens} is not a whole number of blocks of "
                 f"{multiple}: these caches are moved as whole blocks"
             )
-        token_ids = _whole_blocks(reg, token_ids)
-        num_tokens = _count(token_ids)
+        request = self._request(token_ids, model_name, salt)
+        num_tokens = request.num_tokens
         skip_prefix_tokens = min(skip_prefix_tokens, num_tokens)
-        ids = self._check_blocks(reg, block_ids, num_tokens)
+        ids = request.block_ids(block_ids)
         self._counters.retrieve_calls += 1
-        chunk_size = self.config.chunk_size
-        keys = self._key_list(reg, token_ids, salt)
-        first = skip_prefix_tokens // chunk_size
+        keys = request.keys
+        first = skip_prefix_tokens // self.config.chunk_size
         # The caller's prefetch ends with this retrieve, whatever it copies.
-        handle = None if prefetch is None else self._claims_for(prefetch, keys)
+        handle = None if prefetch is None else self._claims_for(runtime, prefetch, keys)
         if first >= len(keys):
             if handle is not None:
                 handle.release_unused()
             return RetrieveResult(skip_prefix_tokens, skip_prefix_tokens, "complete", policy)
+        storage = runtime.storage
         if handle is None or handle.released:
             # A prefix wholly in L1 needs no prefetch (nor a `locate`, which would ask the
             # lower tiers about nothing): the walk takes it from L1, and opens a handle if a
@@ -709,11 +579,11 @@ class TieredKVEngine:
             if not all(map(storage.in_l1, keys[first:])):
                 where = await storage.locate(keys[first:])
                 if any(location != IN_L1 for location in where):
-                    handle = self._start_prefetch(reg, keys, where, num_tokens, first_chunk=first)
+                    handle = self._start_prefetch(runtime, request, where, first_chunk=first)
         if handle is not None:
-            self._extend_handle(handle, keys, num_tokens)
+            _extend_handle(handle, request)
         return RetrieveRequest(
-            layout=reg.layout,
+            layout=request.layout,
             keys=keys,
             block_ids=ids,
             num_tokens=num_tokens,
@@ -721,15 +591,18 @@ class TieredKVEngine:
             first=first,
             policy=policy,
             handle=handle,
-            open_handle=functools.partial(self._open_handle, reg, keys, num_tokens, first),
-            chunk_size=chunk_size,
-            chunk_tokens=functools.partial(self._chunk_tokens, total=num_tokens),
+            open_handle=functools.partial(self._open_handle, runtime, request, first),
+            chunk_size=self.config.chunk_size,
+            chunk_tokens=request.chunk_tokens,
             timeout_base_s=self.config.prefetch_timeout_base_s,
             timeout_per_1k_tokens_s=self.config.prefetch_timeout_per_1k_tokens_s,
             batch_chunks=self.config.retrieve_batch_chunks,
         )
 
-    def _claims_for(self, prefetch: PrefetchHandle, keys: Sequence[ChunkKey]) -> PrefetchClaims:
+    @staticmethod
+    def _claims_for(
+        runtime: EngineRuntime, prefetch: PrefetchHandle, keys: Sequence[ChunkKey]
+    ) -> PrefetchClaims:
         """The claims of a caller's handle given to a retrieve: of this engine, and over the
         same chunks as the request's tokens where they overlap (another prompt's loads would be
         another's KV); chunks past the request's are released when it ends."""
@@ -739,7 +612,7 @@ class TieredKVEngine:
                 f"{type(prefetch).__name__}"
             )
         claims = claims_of(prefetch)
-        if claims.controller is not self._prefetch:
+        if claims.controller is not runtime.prefetch:
             raise ConfigError("retrieve: the prefetch handle belongs to another engine")
         for slot in claims.slots:
             if slot.index < len(keys) and keys[slot.index] != slot.key:
@@ -751,23 +624,10 @@ class TieredKVEngine:
                 )
         return claims
 
-    def _extend_handle(
-        self, handle: PrefetchClaims, keys: Sequence[ChunkKey], num_tokens: int
-    ) -> None:
-        """Unreserved slots for the chunks past the handle's last (the prefix grew since the
-        lookup that made it, or the handle was opened empty)."""
-        covered = handle.first_chunk + len(handle.slots)
-        if covered < len(keys):
-            handle.extend(
-                [(keys[i], self._chunk_tokens(i, num_tokens)) for i in range(covered, len(keys))]
-            )
-
-    def _open_handle(
-        self, reg: Registration, keys: Sequence[ChunkKey], num_tokens: int, first: int
-    ) -> PrefetchClaims:
+    def _open_handle(self, runtime: EngineRuntime, request: Request, first: int) -> PrefetchClaims:
         """A handle over chunks ``first`` on with nothing reserved yet (`RetrieveRequest`)."""
-        handle = self._start_prefetch(reg, keys, [], num_tokens, first_chunk=first)
-        self._extend_handle(handle, keys, num_tokens)
+        handle = self._start_prefetch(runtime, request, [], first_chunk=first)
+        _extend_handle(handle, request)
         return handle
 
     @_call
@@ -786,46 +646,38 @@ class TieredKVEngine:
         commit()`` once every layer is saved: only then do the chunks become visible to lookups.
         ``abort()`` (or an engine close before commit) stores nothing.
         """
-        storage = self._require_storage()
-        mover = self._require_mover()
-        reg = self._registration(model_name)
-        token_ids = _whole_blocks(reg, token_ids)
-        keys = self._key_list(reg, token_ids, salt)
-        num_tokens = _count(token_ids)
-        ids = self._check_blocks(reg, block_ids, num_tokens)
+        runtime = self._running()
+        request = self._request(token_ids, model_name, salt)
+        ids = request.block_ids(block_ids)
         self._counters.store_calls += 1
         self._counters.store_layerwise_calls += 1
-        staged = self._stage(storage, reg, keys, num_tokens)
+        staged = self._stage(runtime, request)
         store = LayerwiseStore(
-            storage,
-            mover,
-            reg.layout,
+            runtime.storage,
+            runtime.mover,
+            request.layout,
             ids,
             staged,
-            on_end=self._layerwise_store_ended,
+            on_end=functools.partial(self._layerwise_store_ended, runtime),
         )
-        self._layerwise_stores.add(store)
+        runtime.layerwise_stores.add(store)
         return store
 
-    def _layerwise_store_ended(self, store: LayerwiseStore) -> None:
-        self._layerwise_stores.discard(store)
+    def _layerwise_store_ended(self, runtime: EngineRuntime, store: LayerwiseStore) -> None:
+        runtime.layerwise_stores.discard(store)
         self._counters.stored_chunks += store.stored_chunks
         self._counters.stored_tokens += store.stored_tokens
 
     def _stage(
-        self,
-        storage: StorageManager,
-        reg: Registration,
-        keys: Sequence[ChunkKey],
-        num_tokens: int,
-        *,
-        first: int = 0,
+        self, runtime: EngineRuntime, request: Request, *, first: int = 0
     ) -> list[tuple[ChunkKey, ChunkTransfer]]:
         """Allocate L1 objects for the chunks from ``first`` on that no tier holds, in order,
         until L1 is full (the rest are skipped and counted, not an error). The caller owns the
         objects."""
+        storage = runtime.storage
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
-        desc = reg.layout.layout_desc
+        desc = request.layout.layout_desc
+        keys = request.keys
         try:
             for index, key in enumerate(keys):
                 if index < first:
@@ -833,7 +685,7 @@ class TieredKVEngine:
                 if storage.tier_of(key) is not None:
                     self._counters.store_skipped_present += 1
                     continue
-                obj = storage.allocate(desc, self._chunk_tokens(index, num_tokens))
+                obj = storage.allocate(desc, request.chunk_tokens(index))
                 if obj is None:
                     self._counters.store_skipped_no_space += len(keys) - index
                     break
@@ -848,66 +700,26 @@ class TieredKVEngine:
     def stats(self) -> metrics.EngineStats:
         """Every component's typed statistics now, as one snapshot; `EngineStats.to_prometheus`
         renders it for Prometheus, `EngineStats.as_dict` as plain dicts."""
-        storage, arena = self._storage, self._arena
+        runtime = self._runtime
+        if runtime is None:
+            return metrics.EngineStats(engine=dataclasses.replace(self._counters))
+        storage, arena = runtime.storage, runtime.arena
         return metrics.EngineStats(
             engine=dataclasses.replace(self._counters),
-            l1=None if storage is None else storage.l1.stats(),
-            arena=None if arena is None or arena.closed else arena.stats(),
-            storage=None if storage is None else storage.stats(),
-            prefetch=None if self._prefetch is None else self._prefetch.stats(),
-            lower=() if storage is None else tuple((t.name, t.stats()) for t in storage.lower),
-            mover=None if self._mover is None else MoverStats.from_counters(self._mover.stats()),
+            l1=storage.l1.stats(),
+            arena=None if arena.closed else arena.stats(),
+            storage=storage.stats(),
+            prefetch=runtime.prefetch.stats(),
+            lower=tuple((t.name, t.stats()) for t in storage.lower),
+            mover=MoverStats.from_counters(runtime.mover.stats()),
         )
 
 
-def _count(token_ids: TokenIds) -> int:
-    return len(token_ids)
-
-
-def _int_argument(name: str, value: Any) -> int:
-    """``value`` as an int when it is one (Python or NumPy/torch integer scalar), else a
-    `LayoutError` naming the argument: 64.0, "64", True and None are refused, not coerced."""
-    if isinstance(value, bool):
-        raise LayoutError(f"{name}: expected an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise LayoutError(f"{name}: expected an int, got {value!r}") from None
-
-
-def _block_id_list(block_ids: Any) -> list[int]:
-    """``block_ids`` (a sequence of ints, or a 1-D integer tensor or array) as a list of ints.
-    Floats, strings, bools and None are refused, never truncated or parsed."""
-    dtype = getattr(block_ids, "dtype", None)
-    if dtype is not None and hasattr(block_ids, "tolist"):
-        kind = str(dtype)
-        if "int" not in kind or "bool" in kind or getattr(block_ids, "ndim", 1) != 1:
-            raise LayoutError(
-                f"block_ids: expected a 1-D integer tensor or array, got {kind} with shape "
-                f"{tuple(getattr(block_ids, 'shape', ()))}"
-            )
-        values: list[int] = block_ids.tolist()
-        return values
-    if type(block_ids) is list and set(map(type, block_ids)) <= {int}:
-        return list(block_ids)  # the common case, checked without a call per id
-    if block_ids is None or isinstance(block_ids, (str, bytes, bytearray, memoryview)):
-        raise LayoutError(
-            f"block_ids: expected a sequence of ints or a 1-D integer tensor, got {block_ids!r}"
+def _extend_handle(handle: PrefetchClaims, request: Request) -> None:
+    """Unreserved slots for the chunks past the handle's last (the prefix grew since the
+    prefetch that made it, or the handle was opened empty)."""
+    covered = handle.first_chunk + len(handle.slots)
+    if covered < len(request.keys):
+        handle.extend(
+            [(request.keys[i], request.chunk_tokens(i)) for i in range(covered, len(request.keys))]
         )
-    try:
-        items = list(block_ids)
-    except TypeError:
-        raise LayoutError(
-            f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}"
-        ) from None
-    return [_int_argument(f"block_ids[{i}]", value) for i, value in enumerate(items)]
-
-
-def _whole_blocks(reg: Registration, token_ids: TokenIds) -> TokenIds:
-    """The tokens a registration can cache: all of them, or for caches moved as whole blocks
-    (format 'blocks') the whole blocks only; a partial last block is never stored or loaded."""
-    multiple = reg.layout.layout_desc.token_multiple
-    if multiple == 1:
-        return token_ids
-    partial = _count(token_ids) % multiple
-    return token_ids[:-partial] if partial else token_ids  # no slice (a tensor op) if whole
