@@ -62,14 +62,15 @@ def test_memmove_copies_match_torch_copies_for_every_format(
     rng.shuffle(ids[5:])
     block_ids = torch.as_tensor(ids, dtype=torch.long)
     contiguous = fmt in ("vllm_nhd", "flashinfer_nhd", "mla", "separate", "blocks")
-    runs = reference._runs(layout, block_ids, 0, CHUNK)
+    runs = reference.block_runs(layout, block_ids, 0, CHUNK)
     assert all(
-        (reference._byte_pieces(group, runs) is not None) == contiguous for group in layout.groups
+        (reference.contiguous_pieces(group, runs) is not None) == contiguous
+        for group in layout.groups
     )
     results = []
     for fast in (True, False):
         if not fast:
-            monkeypatch.setattr(reference, "_byte_pieces", lambda group, runs: None)
+            monkeypatch.setattr(reference, "contiguous_pieces", lambda group, runs: None)
         arena = HostArena(8 << 20, pin=False)
         layout, tensors = _layout(fmt, seed=1)
         gathered = _transfers(arena, layout, [0, CHUNK])
@@ -98,7 +99,7 @@ def test_memmove_pieces_merge_adjacent_blocks_and_refuse_ids_out_of_range() -> N
     group = layout.groups[0]
     block_bytes = group.strides.block_stride * group.host.dtype.itemsize
     ids = torch.as_tensor([4, 5, 7, 6], dtype=torch.long)
-    pieces = reference._byte_pieces(group, reference._runs(layout, ids, 0, 4 * BLOCK))
+    pieces = reference.contiguous_pieces(group, reference.block_runs(layout, ids, 0, 4 * BLOCK))
     # 4 and 5 are adjacent (one piece of two blocks); 7 then 6 are not.
     assert pieces == [
         (4 * block_bytes, 0, 2 * BLOCK),
@@ -107,4 +108,4 @@ def test_memmove_pieces_merge_adjacent_blocks_and_refuse_ids_out_of_range() -> N
     ]
     bad = torch.as_tensor([4, 16], dtype=torch.long)
     with pytest.raises(LayoutError, match="block id 16 out of range"):
-        reference._byte_pieces(group, reference._runs(layout, bad, 0, 2 * BLOCK))
+        reference.contiguous_pieces(group, reference.block_runs(layout, bad, 0, 2 * BLOCK))

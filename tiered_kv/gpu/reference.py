@@ -27,7 +27,7 @@ def _byte_view(view: torch.Tensor) -> torch.Tensor:
     return view if view.dtype == torch.uint8 else view.view(torch.uint8)
 
 
-def _runs(
+def block_runs(
     layout: KVCacheLayout, block_ids: torch.Tensor, token_start: int, num_tokens: int
 ) -> list[tuple[int, int, int, int]]:
     """The tokens ``[token_start, token_start + num_tokens)`` as runs within one block each:
@@ -56,10 +56,10 @@ def gather_chunk(
     """Copy one chunk's tokens from every group (or only model ``layers``) into ``transfer.obj``
     (synchronous)."""
     obj = transfer.obj
-    runs = _runs(layout, block_ids, transfer.token_start, obj.num_tokens)
+    runs = block_runs(layout, block_ids, transfer.token_start, obj.num_tokens)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
-        pieces = _byte_pieces(group, runs)
+        pieces = contiguous_pieces(group, runs)
         if pieces is not None:
             _copy_pieces(group, host, 0, pieces, layers, to_host=True)
             continue
@@ -86,10 +86,10 @@ def scatter_chunk(
     count = obj.num_tokens - skip
     if count == 0:
         return
-    runs = _runs(layout, block_ids, transfer.token_start + skip, count)
+    runs = block_runs(layout, block_ids, transfer.token_start + skip, count)
     for group in layout.groups:
         host = obj.group_bytes(group.index)
-        pieces = _byte_pieces(group, runs)
+        pieces = contiguous_pieces(group, runs)
         if pieces is not None:
             _copy_pieces(group, host, skip, pieces, layers, to_host=False)
             continue
@@ -104,7 +104,7 @@ def scatter_chunk(
                     target[block, slot : slot + run].copy_(rows[row : row + run])
 
 
-def _byte_pieces(
+def contiguous_pieces(
     group: LayerGroup, runs: Sequence[tuple[int, int, int, int]]
 ) -> list[tuple[int, int, int]] | None:
     """For CPU caches whose token rows are contiguous within a block (NHD-like, or whole
@@ -144,7 +144,7 @@ def _copy_pieces(
     *,
     to_host: bool,
 ) -> None:
-    """Copy `_byte_pieces` between every selected layer's paged cache and ``host`` (the group's
+    """Copy `contiguous_pieces` between every selected layer's paged cache and ``host`` (the group's
     ``[L, K, T, row_bytes]`` bytes, from row ``skip`` on): one memmove per piece, which
     releases the GIL and costs none of a tensor slice's dispatch."""
     row_bytes = group.host.row_bytes
