@@ -31,9 +31,9 @@ StopReason = Literal["complete", "gap", "late", "failed", "no_space"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RetrieveResult:
-    """What `retrieve_detailed` delivered, and why it stopped.
+    """What a retrieve delivered, and why it stopped.
 
-    valid_tokens: end of the valid prefix in the request's blocks (what `retrieve` returns).
+    valid_tokens: end of the valid prefix in the request's blocks.
     cached_tokens: end of the prefix the tiers held when retrieve stopped (>= valid_tokens);
         ``cached_tokens - valid_tokens`` tokens were cached but not delivered: the serving
         engine recomputes them.
