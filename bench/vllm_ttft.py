@@ -10,7 +10,8 @@ own process:
 1. no connector, cold: the prefill computed (the upper bound: what a hit saves);
 2. no connector, vLLM's own prefix-cache hit of the same prompt: only the last block computed,
    nothing loaded (the lower bound for any external hit);
-3. connector, cold (stores to L1, L2 and L3 as it goes);
+3. connector, cold (stores to L1, L2 and L3 as it goes); cases 3-6 load every hit
+   (``load_policy="always"``);
 4. connector, L1 hit: the same prompts again in that process, each right after vLLM's prefix
    cache was emptied (``reset_prefix_cache``), so tiered_kv supplies the KV; each is followed by
    the same prompt once more, a vLLM prefix-cache hit in the same process (case 4b), so the
@@ -113,7 +114,15 @@ def _one_round(
     paired = [warmup, *([p] for p in prompts), warmup, *([p] for p in prompts for _ in range(2))]
     n = len(prompts)
     l2 = workdir / f"l2-{round_index}"
-    connector = {"chunk_size": 256, "l1_size": "512MiB", "model_name": "bench-llama"}
+    # The hit cases load every hit ("always"): they measure loads. Under the default "cost"
+    # policy an L2 hit from a cold page cache may be declined where the disk is slower than
+    # this CPU's prefill; the slowed-L3 case below shows that policy at work.
+    connector = {
+        "chunk_size": 256,
+        "l1_size": "512MiB",
+        "model_name": "bench-llama",
+        "load_policy": "always",
+    }
     l2_config = {"l2_path": str(l2), "l2_size": "8GiB"}
     off = {"enable_prefix_caching": False}  # hits can only come from tiered_kv
     tag = f"-{round_index}"
@@ -160,7 +169,11 @@ def _one_round(
         )
         record("l3", from_l3, 1, claimed)
     slow_log = workdir / f"l3-slow{tag}.log"
-    slow_connector = {**connector, "l3_timeout_s": 10 * slow_read_s + 5}  # slow, not failing
+    slow_connector = {  # slow, not failing
+        **connector,
+        "load_policy": "cost",
+        "l3_timeout_s": 10 * slow_read_s + 5,
+    }
     with l3_server(slow_log, "4GiB", read_delay_s=slow_read_s) as (slow_url, _):
         # Seeds 1000 apart give the same prompt (`_prompt` is periodic in the seed mod 500).
         # A load like the prompts' own (as many reads in flight) gives the L3 estimate.
