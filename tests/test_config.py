@@ -175,15 +175,15 @@ def test_l2_size_zero_is_allowed() -> None:
 
 
 @pytest.mark.parametrize("queue", [0, -3])
-def test_l2_write_queue_below_one(queue: int) -> None:
-    with pytest.raises(ConfigError, match=rf"^l2_write_queue: must be >= 1, got {queue}$"):
-        EngineConfig(l2_write_queue=queue)
+def test_lower_write_queue_below_one(queue: int) -> None:
+    with pytest.raises(ConfigError, match=rf"^lower_write_queue: must be >= 1, got {queue}$"):
+        EngineConfig(lower_write_queue=queue)
 
 
 @pytest.mark.parametrize("queue", [True, 2.0, "4"])
-def test_l2_write_queue_wrong_type(queue: object) -> None:
-    with pytest.raises(ConfigError, match=r"^l2_write_queue: expected int"):
-        EngineConfig(l2_write_queue=queue)  # type: ignore[arg-type]
+def test_lower_write_queue_wrong_type(queue: object) -> None:
+    with pytest.raises(ConfigError, match=r"^lower_write_queue: expected int"):
+        EngineConfig(lower_write_queue=queue)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -200,22 +200,12 @@ def test_l3_url_is_accepted(url: str) -> None:
     assert EngineConfig(l3_url=url).l3_url == url
 
 
-def test_l2_write_queue_is_the_old_name_of_lower_write_queue() -> None:
-    """One queue bound for every lower tier: lower_write_queue; l2_write_queue, its old name,
-    is still accepted (argument and environment), never both with different values."""
+def test_lower_write_queue_bounds_every_lower_tier_and_has_no_other_name() -> None:
     assert EngineConfig().lower_write_queue == 256
     assert EngineConfig(lower_write_queue=9).lower_write_queue == 9
-    old = EngineConfig(l2_write_queue=7)
-    assert (old.lower_write_queue, old.l2_write_queue) == (7, None)
-    assert old == EngineConfig(lower_write_queue=7)
-    assert dataclasses.replace(old, lower_write_queue=5).lower_write_queue == 5
-    assert EngineConfig(l2_write_queue=7, lower_write_queue=7).lower_write_queue == 7
-    env = EngineConfig.from_env({"TIERED_KV_LOWER_WRITE_QUEUE": "11"})
-    assert env.lower_write_queue == 11
-    with pytest.raises(ConfigError, match=r"^l2_write_queue=7 and lower_write_queue=9: .*old name"):
-        EngineConfig(l2_write_queue=7, lower_write_queue=9)
-    with pytest.raises(ConfigError, match=r"^lower_write_queue: must be >= 1, got 0$"):
-        EngineConfig(lower_write_queue=0)
+    assert EngineConfig.from_env({"TIERED_KV_LOWER_WRITE_QUEUE": "11"}).lower_write_queue == 11
+    with pytest.raises(TypeError, match="l2_write_queue"):
+        EngineConfig(l2_write_queue=7)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize(
@@ -287,7 +277,7 @@ def test_from_env_reads_sizes_and_ints() -> None:
         "TIERED_KV_L1_SIZE": "8GiB",
         "TIERED_KV_L2_SIZE": "1.5GB",
         "TIERED_KV_CHUNK_SIZE": "64",
-        "TIERED_KV_L2_WRITE_QUEUE": " 12 ",
+        "TIERED_KV_LOWER_WRITE_QUEUE": " 12 ",
         "TIERED_KV_CLOSE_TIMEOUT_S": "2.5",
         "TIERED_KV_NAMESPACE": "tenant-a",
         "TIERED_KV_FINGERPRINT": "v3",
@@ -297,7 +287,7 @@ def test_from_env_reads_sizes_and_ints() -> None:
     assert config.l1_size == 8 * GiB
     assert config.l2_size == 1_500_000_000
     assert config.chunk_size == 64
-    assert config.lower_write_queue == 12  # TIERED_KV_L2_WRITE_QUEUE: the old name
+    assert config.lower_write_queue == 12
     assert config.close_timeout_s == 2.5
     assert config.namespace == "tenant-a"
     assert config.fingerprint == "v3"
@@ -348,7 +338,7 @@ def test_from_env_bad_bool() -> None:
         EngineConfig.from_env({"TIERED_KV_PIN_MEMORY": "maybe"})
 
 
-@pytest.mark.parametrize("name", ["CHUNK_SIZE", "L2_WRITE_QUEUE"])
+@pytest.mark.parametrize("name", ["CHUNK_SIZE", "LOWER_WRITE_QUEUE"])
 @pytest.mark.parametrize("raw", ["abc", "1.5", "", "12k"])
 def test_from_env_bad_ints(name: str, raw: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -396,7 +386,7 @@ def test_overrides_beat_env() -> None:
 
 
 def test_overrides_without_env_vars_apply() -> None:
-    config = EngineConfig.from_env({}, l2_write_queue=3)
+    config = EngineConfig.from_env({}, lower_write_queue=3)
     assert config.lower_write_queue == 3
     assert config.l1_size == GiB
 

@@ -42,7 +42,6 @@ WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
 _INT_FIELDS = (
     "chunk_size",
     "lower_write_queue",
-    "l2_write_queue",
     "prefetch_max_pending",
     "retrieve_batch_chunks",
     "selective_min_hits",
@@ -115,10 +114,6 @@ class EngineConfig:
         L3, custom tiers: each has a queue this long); beyond it the write is dropped and
         counted (write_through, selective) or the L1 eviction refused (write_back), so the
         serving path never blocks on a lower tier.
-    l2_write_queue: the old name of ``lower_write_queue`` (also as
-        ``TIERED_KV_L2_WRITE_QUEUE``), still accepted as input; giving both names with different
-        values (lower_write_queue other than its default) is an error. It reads as None once
-        the config is built.
     close_timeout_s: how long ``aclose()`` lets calls in flight finish and waits for pending
         lower-tier writes (L2, L3, custom tiers) before cancelling and dropping them.
     pin_memory: pin the arena; None means "when CUDA is available".
@@ -166,7 +161,6 @@ class EngineConfig:
     namespace: str = ""
     fingerprint: str = ""
     lower_write_queue: int = _DEFAULT_WRITE_QUEUE
-    l2_write_queue: int | None = None
     close_timeout_s: float = 30.0
     pin_memory: bool | None = None
     l2_fsync: bool = True
@@ -203,31 +197,17 @@ class EngineConfig:
         for name in ("namespace", "fingerprint"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}: expected str, got {getattr(self, name)!r}")
-        self._resolve_write_queue()
+        self._check_write_queue()
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s: must be >= 0, got {self.close_timeout_s}")
         self._validate_policies()
 
-    def _resolve_write_queue(self) -> None:
-        names = ["lower_write_queue"]
-        if self.l2_write_queue is not None:
-            names.append("l2_write_queue")
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{name}: expected int, got {value!r}")
-            if value < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {value}")
-        if self.l2_write_queue is None:
-            return
-        if self.lower_write_queue not in (_DEFAULT_WRITE_QUEUE, self.l2_write_queue):
-            raise ConfigError(
-                f"l2_write_queue={self.l2_write_queue} and lower_write_queue="
-                f"{self.lower_write_queue}: l2_write_queue is the old name of lower_write_queue; "
-                "give only lower_write_queue"
-            )
-        object.__setattr__(self, "lower_write_queue", self.l2_write_queue)
-        object.__setattr__(self, "l2_write_queue", None)
+    def _check_write_queue(self) -> None:
+        value = self.lower_write_queue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"lower_write_queue: expected int, got {value!r}")
+        if value < 1:
+            raise ConfigError(f"lower_write_queue: must be >= 1, got {value}")
 
     def _validate_policies(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
