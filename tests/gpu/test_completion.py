@@ -261,7 +261,7 @@ async def test_a_caller_sees_its_call_end_on_the_loop_without_the_waiter_threads
     try:
         now = time.perf_counter()
         call = _tracked_call(now, now + 0.020)
-        tracker.submit(call, now, 0.020, asyncio.get_running_loop())
+        tracker.submit(call, now, 0.020, asyncio.get_running_loop(), awaited=True)
         seen = await asyncio.wait_for(tracker.wait(call), 5)
         assert call.buffers.done.at <= seen < call.buffers.done.at + SPIN_GRACE_S + 0.005
         assert call.finished and call.result.result() == seen
@@ -288,8 +288,8 @@ async def test_a_call_not_begun_or_far_behind_its_prediction_is_left_to_the_wait
         now = time.perf_counter()
         behind = _tracked_call(now + 0.050, now + 0.060)  # waits on the caller's stream
         slow = _tracked_call(now, now + 0.060)  # begun, but far slower than predicted
-        tracker.submit(behind, now, 0.005, loop)
-        tracker.submit(slow, now, 0.005, loop)
+        tracker.submit(behind, now, 0.005, loop, awaited=True)
+        tracker.submit(slow, now, 0.005, loop, awaited=True)
         seen = await asyncio.wait_for(asyncio.gather(tracker.wait(behind), tracker.wait(slow)), 5)
         for call, at in zip((behind, slow), seen, strict=True):
             assert at >= call.buffers.done.at

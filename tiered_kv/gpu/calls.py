@@ -175,20 +175,26 @@ class CallTracker:
         predicted_start: float,
         predicted: float,
         loop: asyncio.AbstractEventLoop,
+        *,
+        awaited: bool = False,
     ) -> None:
         """``call`` is wholly queued, ending with ``call.buffers.done``: finish it on ``loop``
         once the waiter sees that event (polling from ``predicted`` seconds after
-        ``predicted_start``)."""
+        ``predicted_start``). ``awaited``: its caller will `wait` for it, so the waiter also
+        wakes that caller shortly before the predicted end."""
         self._inflight.add(call)
         call.predicted_end = predicted_start + predicted
-        call.near = loop.create_future()
+        early = None
+        if awaited:
+            call.near = loop.create_future()
+            early = functools.partial(_resolve, call.near)
         call.watch = self.waiter.submit(
             call.buffers.done,
             predicted_start,
             predicted,
             loop,
             lambda seen, error: self._finish(call, seen, error),
-            early=functools.partial(_resolve, call.near),
+            early=early,
             early_at=call.predicted_end - SPIN_LEAD_S,
         )
 

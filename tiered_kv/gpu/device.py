@@ -57,6 +57,8 @@ class MoverOptions:
 
 
 _STREAMS_KEPT = 64  # caller streams whose torch object `DeviceState.current_stream` keeps
+# torch's (stream id, device, type) of the current stream; absent from builds without CUDA.
+_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 class DeviceState:
@@ -79,10 +81,9 @@ class DeviceState:
     def current_stream(self) -> torch.cuda.Stream:
         """The calling thread's current stream on this device. torch's object for it is made
         once per stream (`torch.cuda.current_stream` builds one per call: 4 µs of a small call)."""
-        get = getattr(torch._C, "_cuda_getCurrentStream", None)
-        if get is None:
+        if _GET_CURRENT_STREAM is None:
             return torch.cuda.current_stream(self.device)
-        raw: tuple[int, int, int] = get(self.index)
+        raw: tuple[int, int, int] = _GET_CURRENT_STREAM(self.index)
         stream = self._streams.get(raw)
         if stream is None:
             if len(self._streams) >= _STREAMS_KEPT:

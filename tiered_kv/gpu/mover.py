@@ -255,7 +255,7 @@ class CudaMover(KVMover):
             caller.wait_event(call.buffers.done)
             end.record(caller)
         predicted_start, predicted = side.clock.schedule(call.nbytes, start)
-        self._calls.submit(call, predicted_start, predicted, loop)
+        self._calls.submit(call, predicted_start, predicted, loop, awaited=load is None)
         if load is not None:
             load.result = call.result
             call.result.add_done_callback(retrieved)
