@@ -263,7 +263,7 @@ async def test_l2_reads_teach_the_page_cache_estimates_and_lookups_probe_the_fil
         await engine.store(TOKENS, SRC)
         await engine.flush()
         await engine.evict_l1()
-        storage = engine._running().storage
+        storage = engine.storage
         cost = storage.costs[0]
         assert isinstance(cost, PageCachedTierCost)
         tier = storage.lower[0]

@@ -160,7 +160,7 @@ async def test_a_failed_load_ends_the_delivered_prefix_and_is_reported(
     seed = next(
         s
         for s in range(1000)
-        if [FaultyTier(MemoryTier(), seed=s)._fails(k, "get", 0.5) for k in keys]
+        if [FaultyTier(MemoryTier(), seed=s, get_failure_rate=0.5).fails(k, "get") for k in keys]
         == [False, True, False, False]
     )
     tier = FaultyTier(MemoryTier(), seed=seed)

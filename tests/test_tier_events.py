@@ -68,9 +68,9 @@ async def test_stores_and_evictions_of_every_tier_are_events(
         assert {t for _, t in removed} == {"L1"}
 
         # The remote store loses a chunk behind the engine's back: a lookup learns it.
-        tkv_server._store.clear()
+        tkv_server.store.clear()
         await engine.evict_l1()
-        l2 = next(t for t in engine._running().storage.lower if t.name == "L2")
+        l2 = next(t for t in engine.storage.lower if t.name == "L2")
         assert await l2.remove(keys[0])  # L2 drops one (as its eviction would)
         assert await engine.lookup(tokens) == 0  # L2 has no first chunk, L3 nothing
         later = _kinds(log.drain())

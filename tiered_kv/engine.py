@@ -39,7 +39,7 @@ from tiered_kv.prefetch import PrefetchClaims, PrefetchHandle, claims_of
 from tiered_kv.request import Registration, Registrations, Request, int_argument
 from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveRequest, RetrieveResult
 from tiered_kv.runtime import EngineRuntime
-from tiered_kv.storage import IN_L1
+from tiered_kv.storage import IN_L1, StorageManager
 from tiered_kv.tiers.base import LowerTier, TierEventLog
 
 logger = logging.getLogger(__name__)
@@ -697,6 +697,13 @@ class TieredKVEngine:
         return staged
 
     # -- introspection ----------------------------------------------------------------------
+    @property
+    def storage(self) -> StorageManager:
+        """The open engine's `StorageManager`: its tiers (``lower``), their read-cost estimates
+        (``costs``) and books, for inspection and fault injection; `EngineStateError` when not
+        open. Its verbs bypass the engine's counters: requests go through the engine."""
+        return self._running().storage
+
     def stats(self) -> metrics.EngineStats:
         """Every component's typed statistics now, as one snapshot; `EngineStats.to_prometheus`
         renders it for Prometheus, `EngineStats.as_dict` as plain dicts."""

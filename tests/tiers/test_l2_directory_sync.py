@@ -136,4 +136,4 @@ def test_directories_do_not_wait_for_each_other(tmp_path: Path) -> None:
 def test_state_is_dropped_once_no_caller_is_inside(tmp_path: Path, callers: int) -> None:
     syncer = DirectorySyncer(TimedSyncs(delay_s=0.01))
     _sync_together(syncer, [tmp_path] * callers)
-    assert syncer._directories == {}
+    assert syncer.busy_directories == 0

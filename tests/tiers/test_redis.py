@@ -292,7 +292,7 @@ async def test_a_cancelled_get_returns_only_after_its_thread_let_go_of_the_sink(
         await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
         task = asyncio.create_task(connector.get_into(key, sink))  # type: ignore[arg-type]
         await asyncio.sleep(0.15)
-        assert connector._threads.stats().busy == 1  # the GET waits on the paused server now
+        assert connector.stats()["threads_busy"] == 1  # the GET waits on the paused server now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -320,7 +320,7 @@ async def test_many_clients_at_once_keep_the_server_accounting_consistent() -> N
         stats = server.stats()
         assert stats["bytes_reserved"] == 0
         assert stats["bytes_used"] + stats["bytes_pooled"] <= capacity
-        assert stats["bytes_used"] == sum(
-            len(frame_bytes(key, payloads[key])) for key in server._store.entries
-        )
+        with server.store.lock:
+            stored = list(server.store.entries)
+        assert stats["bytes_used"] == sum(len(frame_bytes(key, payloads[key])) for key in stored)
         assert stats["evictions"] > 0

@@ -272,17 +272,20 @@ async def test_layerwise_keys_partial_chunks_and_corrupt_frames(
         assert torch.equal(dst.raw(), src.raw())
         assert not await tier.get_into(layer_key, wrong)  # other token count: a miss
         assert tier.stats().layout_mismatch == 1
-        frame = bytes(tkv_server._store.entries[layer_key.to_bytes()])
+        store = tkv_server.store
+        with store.lock:
+            frame = bytes(store.entries[layer_key.to_bytes()])
         header, _ = decode_chunk(frame)
         assert header.num_tokens == 8
         assert header.key_bytes == layer_key.to_bytes()
         # Flip one payload byte on the server: a miss, and the copy is removed.
-        tkv_server._store.entries[layer_key.to_bytes()][-1] ^= 0xFF
+        with store.lock:
+            store.entries[layer_key.to_bytes()][-1] ^= 0xFF
         assert not await tier.get_into(layer_key, dst)
         stats = tier.stats()
         assert stats.corrupt == 1
         assert stats.corrupt_removed == 1
-        assert layer_key.to_bytes() not in tkv_server._store.entries
+        assert store.contains_many([layer_key.to_bytes()]) == [False]
         assert not tier.contains(layer_key)
         for obj in (src, dst, wrong):
             obj.unref()
@@ -306,6 +309,8 @@ async def test_any_rank_frames_pass_through_unchanged(
 
 
 def test_tier_factory_by_scheme(tmp_path: Path) -> None:
+    from tiered_kv.tiers.remote.redis import redis_py_url  # redis is optional
+
     tier = remote_tier(_config(l3_url="tkv://127.0.0.1:7474", l3_timeout_s=0.5))
     assert isinstance(tier, RemoteTier)
     assert tier.connector.description == "tkv://127.0.0.1:7474"
@@ -316,7 +321,9 @@ def test_tier_factory_by_scheme(tmp_path: Path) -> None:
         assert "pw" not in tier.connector.description
         assert type(tier.connector).__name__ == "RedisConnector"
     cluster = remote_tier(_config(l3_url="valkeys+cluster://h:1")).connector
-    assert cluster.cluster is True and cluster._url == "rediss://h:1"
+    assert cluster.cluster is True and cluster.description == "valkeys+cluster://h:1"
+    assert redis_py_url("valkeys+cluster://h:1") == "rediss://h:1"
+    assert redis_py_url("valkey://:pw@h:1/2") == "redis://:pw@h:1/2"
     assert isinstance(remote_tier(_config(l3_url="tkv://h:1")), RemoteTier)
     token = tmp_path / "token"
     token.write_text("")

@@ -18,6 +18,7 @@ import random
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
@@ -120,21 +121,24 @@ class FaultyTier(LowerTier):
         self.active = 0  # reads and writes under way right now
         self.max_active = 0
 
-    def _fails(self, key: ChunkKey, op: str, rate: float) -> bool:
+    def fails(self, key: ChunkKey, op: Literal["get", "put"]) -> bool:
+        """Whether the seeded fault hits ``op`` of ``key`` at the tier's rate now: a test picks
+        its ``seed`` with this, so that the faults hit the chunks it means."""
+        rate = self.get_failure_rate if op == "get" else self.put_failure_rate
         return rate > 0 and random.Random(f"{self.seed}:{op}:{key.hex}").random() < rate
 
     def _delay(self, op: str) -> float:
         specific = self.get_delay_s if op == "get" else self.put_delay_s
         return self.delay_s if specific is None else specific
 
-    async def _inject(self, key: ChunkKey, op: str, rate: float) -> bool:
+    async def _inject(self, key: ChunkKey, op: Literal["get", "put"]) -> bool:
         self.calls[op] += 1
         delay = self._delay(op)
         if delay:
             await asyncio.sleep(delay)
         if self.gate is not None:
             await self.gate.wait()
-        if self._fails(key, op, rate):
+        if self.fails(key, op):
             self.injected_failures += 1
             if self.raise_errors:
                 raise OSError(f"injected {op} failure for {key.hex}")
@@ -154,15 +158,14 @@ class FaultyTier(LowerTier):
         return await self.inner.contains_many(keys)
 
     async def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        return await self._faulty("put", self.put_failure_rate, self.inner.put, key, obj)
+        return await self._faulty("put", self.inner.put, key, obj)
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        return await self._faulty("get", self.get_failure_rate, self.inner.get_into, key, obj)
+        return await self._faulty("get", self.inner.get_into, key, obj)
 
     async def _faulty(
         self,
-        op: str,
-        rate: float,
+        op: Literal["get", "put"],
         call: Callable[[ChunkKey, MemoryObj], Awaitable[bool]],
         key: ChunkKey,
         obj: MemoryObj,
@@ -171,7 +174,7 @@ class FaultyTier(LowerTier):
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            if await self._inject(key, op, rate):
+            if await self._inject(key, op):
                 return False
             return await call(key, obj)
         finally:

@@ -117,6 +117,13 @@ class DirectorySyncer:
         self._directories: dict[Path, _DirectorySyncs] = {}
         self.calls = 0  # fsyncs run (the batches), for stats and tests
 
+    @property
+    def busy_directories(self) -> int:
+        """Directories with a caller inside `sync` now: state is kept for those only, so this
+        returns to 0 once the writers are done (a gauge, and a leak check)."""
+        with self._changed:
+            return len(self._directories)
+
     def sync(self, directory: Path) -> None:
         with self._changed:
             state = self._directories.setdefault(directory, _DirectorySyncs())

@@ -56,6 +56,13 @@ def describe_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def redis_py_url(url: str) -> str:
+    """``url`` (a redis-store scheme of `tiered_kv.config.L3_SCHEMES`) as redis-py takes it:
+    redis-py knows redis:// and rediss:// (TLS) only, so valkey and +cluster forms map onto them."""
+    scheme = "rediss" if parse_l3_url(url).scheme.tls else "redis"
+    return urllib.parse.urlunsplit((scheme, *urllib.parse.urlsplit(url)[1:]))
+
+
 class RedisConnector(RemoteConnector):
     """Redis / Valkey at ``url`` (a scheme of `tiered_kv.config.L3_SCHEMES` whose store is redis).
 
@@ -82,9 +89,7 @@ class RedisConnector(RemoteConnector):
             )
         self.cluster = parsed.scheme.cluster
         parts = urllib.parse.urlsplit(url)
-        # redis-py knows redis:// and rediss:// only; valkey and +cluster forms map onto them.
-        scheme = "rediss" if parsed.scheme.tls else "redis"
-        self._url = urllib.parse.urlunsplit((scheme, *parts[1:]))
+        self._url = redis_py_url(url)
         self.description = describe_url(url)
         self.key_prefix = key_prefix
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
@@ -181,6 +186,11 @@ class RedisConnector(RemoteConnector):
         if not keys:
             return []
         return await self._run(functools.partial(self._per_key, "delete", keys))
+
+    def stats(self) -> dict[str, int | float]:
+        """The connector's threads now: started, running a command, and calls waiting for one."""
+        pool = self._threads.stats()
+        return {"threads": pool.threads, "threads_busy": pool.busy, "calls_queued": pool.queued}
 
     async def remote_stats(self) -> dict[str, int | float]:
         info = await self._run(lambda client: client.info("memory"))

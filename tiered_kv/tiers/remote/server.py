@@ -582,6 +582,12 @@ class RemoteCacheServer:
             self._receive_buffer_bytes += nbytes
 
     @property
+    def store(self) -> FrameStore:
+        """The stored frames, for inspection and fault injection (operators' tools, tests):
+        read ``store.entries`` under ``store.lock``; the data path does not go through here."""
+        return self._store
+
+    @property
     def port(self) -> int:
         if self._listener is None:
             return self.options.port
