@@ -73,7 +73,10 @@ class PrefetchStats:
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class _Load:
+class ChunkLoad:
+    """One chunk's read from the lower tiers (``tier_indexes``, tried in order) into ``obj``,
+    shared by every prefetch holding it (``holders``); `PrefetchController.reserve` gives it."""
+
     key: ChunkKey
     tier_indexes: tuple[int, ...]
     obj: MemoryObj
@@ -99,7 +102,7 @@ class PrefetchSlot:
     key: ChunkKey
     num_tokens: int
     in_l1: bool
-    load: _Load | None = None
+    load: ChunkLoad | None = None
     held: bool = False  # the handle holds a reference to load.obj
 
 
@@ -120,10 +123,10 @@ class PrefetchController:
             for tier in storage.lower
         }
         self._limits = [asyncio.Semaphore(self.read_slots[t.name.lower()]) for t in storage.lower]
-        self._loads: dict[ChunkKey, _Load] = {}
+        self._loads: dict[ChunkKey, ChunkLoad] = {}
         # Loads cancelled and not yet ended: out of `_loads`, so a new reservation of the key
         # starts a load of its own instead of joining one that will fail.
-        self._cancelling: set[_Load] = set()
+        self._cancelling: set[ChunkLoad] = set()
         self._tasks: set[asyncio.Task[bool]] = set()
         self._handles: weakref.WeakSet[PrefetchClaims] = weakref.WeakSet()
         self._closed = False
@@ -137,7 +140,7 @@ class PrefetchController:
         num_tokens: int,
         *,
         budgeted: bool = True,
-    ) -> _Load | ReserveStop:
+    ) -> ChunkLoad | ReserveStop:
         """Join the in-flight load of ``key`` or start one; the caller becomes a holder (one
         reference to the object). Returns why nothing was reserved otherwise (`ReserveStop`)."""
         load = self._loads.get(key)
@@ -153,7 +156,7 @@ class PrefetchController:
                 self.counters.stopped_no_space += 1
                 self.storage.record_promotion_failure()
                 return "no_space"
-            load = _Load(key, tuple(tier_indexes), obj)
+            load = ChunkLoad(key, tuple(tier_indexes), obj)
             self.reserved_bytes += obj.nbytes
             self._loads[key] = load
             task = asyncio.get_running_loop().create_task(
@@ -169,7 +172,7 @@ class PrefetchController:
         load.holders += 1
         return load
 
-    async def _run(self, load: _Load) -> bool:
+    async def _run(self, load: ChunkLoad) -> bool:
         ok = False
         try:
             for index in load.tier_indexes:
@@ -188,7 +191,7 @@ class PrefetchController:
         finally:
             load.running = False
 
-    def _finish(self, load: _Load, task: asyncio.Task[bool]) -> None:
+    def _finish(self, load: ChunkLoad, task: asyncio.Task[bool]) -> None:
         self._tasks.discard(task)
         self._cancelling.discard(load)
         if self._loads.get(load.key) is load:
@@ -196,7 +199,7 @@ class PrefetchController:
         load.obj.unref()  # the load's own reference; holders and L1 keep theirs
         self._maybe_settle(load)
 
-    def release(self, load: _Load, *, keep_running: bool) -> None:
+    def release(self, load: ChunkLoad, *, keep_running: bool) -> None:
         """A holder drops its reference. A load nobody holds any more is cancelled, unless
         ``keep_running``: it then finishes into L1 as an unreferenced (evictable) entry, still
         counted against the prefetch budget until it ends."""
@@ -210,7 +213,7 @@ class PrefetchController:
                 self._cancelling.add(load)
         self._maybe_settle(load)
 
-    def _maybe_settle(self, load: _Load) -> None:
+    def _maybe_settle(self, load: ChunkLoad) -> None:
         if not load.settled and load.holders == 0 and load.finished():
             load.settled = True
             self.reserved_bytes -= load.obj.nbytes
@@ -469,7 +472,7 @@ class PrefetchClaims:
             self._slots.append(PrefetchSlot(start + offset, key, num_tokens, in_l1=False))
 
     def add_slot(
-        self, index: int, key: ChunkKey, num_tokens: int, load: _Load | None
+        self, index: int, key: ChunkKey, num_tokens: int, load: ChunkLoad | None
     ) -> PrefetchSlot:
         """Retrieve reserved a chunk whose slot holds no reservation (evicted since lookup, or
         not reserved because of L1 pressure then); the new slot replaces it."""
