@@ -269,6 +269,10 @@ async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCac
             "write_back",
             "write_through",
         )
+        assert (e.storage.write_policy("L2"), e.storage.write_policy("L3")) == (
+            "write_back",
+            "write_through",
+        )
         await e.store(TOKENS, SRC)
         await e.flush()
         assert (l2.stats().entries, l3.stats().entries) == (0, 4)

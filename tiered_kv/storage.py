@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from tiered_kv.config import WRITE_POLICIES
+from tiered_kv.config import WRITE_POLICIES, WritePolicy
 from tiered_kv.cost import Claim, PageCachedTierCost, TierCost
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
@@ -68,7 +68,7 @@ class BusyClock:
 @dataclasses.dataclass(slots=True)
 class _WriteQueue:
     tier: LowerTier
-    policy: str
+    policy: WritePolicy
     queue: asyncio.Queue[tuple[ChunkKey, MemoryObj]]
     pending: set[ChunkKey]
     workers: list[asyncio.Task[None]]
@@ -118,7 +118,7 @@ class TierReadStats:
 class WriteQueueStats:
     """One lower tier's bounded write queue and what became of its writes."""
 
-    policy: str
+    policy: WritePolicy
     queue_depth: int
     queue_capacity: int
     pending: int  # queued or being written
@@ -191,7 +191,8 @@ class StorageManager:
     committing. `get_l1` returns an object with a reference for the caller; `promote` publishes a
     chunk read up from a lower tier (the prefetch controller reads, storage owns the books).
 
-    Write policies (``write_policies``: tier name → policy, default write_through):
+    Write policies (``write_policies``: tier name → policy as `EngineConfig.write_policy_for`
+    resolved it, checked there; a tier it leaves out is write_through):
     write_through queues the write at commit; write_back marks the L1 entry dirty and queues the
     write when L1 evicts it (the queue holds a reference, so the bytes stay until written, and
     the chunk stays readable meanwhile); selective queues the write once a chunk has been
@@ -204,16 +205,13 @@ class StorageManager:
         lower: Sequence[LowerTier],
         *,
         write_queue: int = 256,
-        write_policies: Mapping[str, str] | None = None,
+        write_policies: Mapping[str, WritePolicy] | None = None,
         selective_min_hits: int = 2,
     ) -> None:
         self.l1 = l1
         self.lower = tuple(lower)
         _check_tier_names(l1.name, self.lower)
-        policies = dict(write_policies or {})
-        for name, policy in policies.items():
-            if policy not in WRITE_POLICIES:
-                raise ConfigError(f"write policy for {name}: expected one of {WRITE_POLICIES}")
+        policies = write_policies or {}
         self._policies = [policies.get(tier.name, WRITE_THROUGH) for tier in self.lower]
         self._selective = SELECTIVE in self._policies  # `record_hit` has work to do
         self._write_queue_size = write_queue
@@ -270,7 +268,7 @@ class StorageManager:
             self._toucher = asyncio.create_task(self._touch_loop(), name="tkv-touch")
         self._opened = True
 
-    def write_policy(self, tier_name: str) -> str | None:
+    def write_policy(self, tier_name: str) -> WritePolicy | None:
         for tier, policy in zip(self.lower, self._policies, strict=True):
             if tier.name == tier_name:
                 return policy
