@@ -34,6 +34,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime",),
     ("engine",),
     ("sync",),
+    # The engine host's parts, below its facade (integrations.engine_host).
+    ("integrations.host_stats", "integrations.tier_watch", "integrations.lookup_channel"),
+    ("integrations.layer_groups",),
+    ("integrations.host_lookups",),
     ("", "integrations", "benchmarks"),  # "": the package's __init__ (the public names)
     # The vLLM connector: what both halves share, the two halves, the class vLLM loads.
     ("integrations.vllm.config", "integrations.vllm.metadata", "integrations.vllm.stats"),

@@ -24,7 +24,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-from tiered_kv.integrations.engine_host import ResolvedTierEvent
+from tiered_kv.integrations.tier_watch import ResolvedTierEvent
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiered_kv.config import EngineConfig
-from tiered_kv.integrations.engine_host import HostStats
+from tiered_kv.integrations.host_stats import HostStats
 from tiered_kv.integrations.vllm.config import ConnectorOptions, ConnectorSettings
 from tiered_kv.integrations.vllm.scheduler import SchedulerHalf
 from tiered_kv.integrations.vllm.stats import TieredKVConnectorStats

@@ -30,8 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.engine_host import EngineHost, HostStats, window_start
+from tiered_kv.integrations.engine_host import EngineHost, LoadOptions
+from tiered_kv.integrations.host_stats import HostStats
 from tiered_kv.integrations.kv_events import EventGroup, TieredKVEvents, to_vllm_events
+from tiered_kv.integrations.layer_groups import window_start
 from tiered_kv.integrations.lookup_channel import socket_path
 from tiered_kv.integrations.prefill_timer import GpuPrefillTimer
 from tiered_kv.integrations.vllm.config import ConnectorSettings, default_fingerprint
@@ -187,28 +189,20 @@ class WorkerHalf:
             if spec.group_block_ids is not None:
                 self._load_groups(host, spec)
                 continue
+            options = LoadOptions(
+                skip_prefix_tokens=spec.skip_prefix_tokens,
+                claimed_tokens=end,
+                salt=KeySalt.from_wire(spec.salt),
+                request_id=spec.request_id,
+            )
             try:
                 if self._layerwise:
                     # Decided now (late or failed chunks included); copies land per layer.
-                    load = host.load_layerwise(
-                        spec.token_ids,
-                        spec.block_ids,
-                        skip_prefix_tokens=spec.skip_prefix_tokens,
-                        claimed_tokens=end,
-                        salt=KeySalt.from_wire(spec.salt),
-                        request_id=spec.request_id,
-                    )
+                    load = host.load_layerwise(spec.token_ids, spec.block_ids, **options)
                     self._loads.append(load)
                     valid = load.result.valid_tokens
                 else:
-                    valid = host.load(
-                        spec.token_ids,
-                        spec.block_ids,
-                        skip_prefix_tokens=spec.skip_prefix_tokens,
-                        claimed_tokens=end,
-                        salt=KeySalt.from_wire(spec.salt),
-                        request_id=spec.request_id,
-                    ).valid_tokens
+                    valid = host.load(spec.token_ids, spec.block_ids, **options).valid_tokens
             except Exception:  # the boundary with vLLM: a failed load is recomputed
                 self.failures += 1
                 logger.warning(
