@@ -1,10 +1,12 @@
 """The engine's contracts under load and misuse: a retrieve of a prefix that grew since its
 lookup, hot prefixes kept through L2 eviction and a restart, close with calls in flight and
-after, and arguments of the wrong type refused with an error that names them."""
+after (and statistics while it drains), and arguments of the wrong type refused with an error
+that names them (and not counted)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 from tests.kvfactory import expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.errors import EngineStateError, LayoutError
+from tiered_kv.tiers.testing import MemoryTier
 
 CHUNK = 64
 
@@ -136,6 +139,84 @@ async def test_calls_after_close_began_are_refused(tmp_path: Path) -> None:
     with pytest.raises(EngineStateError, match="clos"):
         await engine.store(_tokens(CHUNK), [0, 1, 2, 3])
     await closing
+
+
+class HeldCloseTier(MemoryTier):
+    """A memory tier whose `aclose` waits for ``release``: holds the engine's close there, after
+    its pending writes were flushed and before its arena is freed."""
+
+    def __init__(self) -> None:
+        super().__init__("L2")
+        self.closing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def aclose(self) -> None:
+        self.closing.set()
+        await self.release.wait()
+        await super().aclose()
+
+
+async def test_stats_during_close_report_every_section_until_the_arena_is_freed() -> None:
+    """A monitor scraping stats while close drains sees the arena, L1 and the flushed writes;
+    once close ends only the engine's counters are left."""
+    caches = make_caches("mla", torch.bfloat16, num_blocks=16)
+    tier = HeldCloseTier()
+    engine = TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB"), lower_tiers=[tier])
+    with pytest.raises(EngineStateError, match="not open"):
+        _ = engine.storage
+    await engine.open()
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    assert await engine.store(_tokens(2 * CHUNK), list(range(8))) == 2 * CHUNK
+    closing = asyncio.create_task(engine.aclose())
+    try:
+        await tier.closing.wait()
+        stats = engine.stats()
+        assert stats.arena is not None and stats.arena.used > 0  # L1 still holds the chunks
+        assert stats.l1 is not None and stats.l1.entries == 2
+        assert stats.storage is not None
+        writes = stats.storage.tier("L2").writes
+        assert writes is not None and (writes.done, writes.pending) == (2, 0)
+        assert stats.engine.store_calls == 1
+        with pytest.raises(EngineStateError, match="closed"):
+            _ = engine.storage  # the engine's verbs and hooks are refused from close on
+    finally:
+        tier.release.set()
+        await closing
+    stats = engine.stats()
+    assert (stats.arena, stats.l1, stats.storage) == (None, None, None)
+    assert stats.engine.store_calls == 1
+    assert engine.leaked_on_close == 0
+
+
+async def test_calls_refused_for_their_arguments_are_not_counted() -> None:
+    """Every verb counts the calls whose arguments it accepted: a bad salt (or a prefetch
+    handle of other tokens) is refused before any counter moves."""
+    caches = make_caches("mla", torch.bfloat16, num_blocks=16)
+    tokens, other = _tokens(CHUNK), list(range(CHUNK))
+    async with TieredKVEngine(EngineConfig(chunk_size=CHUNK, l1_size="4MiB")) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(tokens, [0, 1, 2, 3]) == CHUNK
+        before = engine.stats().engine
+        bad = b"not a KeySalt"
+        refused = [
+            engine.store(tokens, [0, 1, 2, 3], salt=bad),  # type: ignore[arg-type]
+            engine.lookup(tokens, salt=bad),  # type: ignore[arg-type]
+            engine.prefetch(tokens, salt=bad),  # type: ignore[arg-type]
+            engine.retrieve(tokens, [4, 5, 6, 7], salt=bad),  # type: ignore[arg-type]
+            engine.retrieve_layerwise(tokens, [4, 5, 6, 7], salt=bad),  # type: ignore[arg-type]
+            engine.store_layerwise(tokens, [4, 5, 6, 7], salt=bad),  # type: ignore[arg-type]
+        ]
+        for call in refused:
+            with pytest.raises(TypeError, match="salt"):
+                await call
+        handle = await engine.prefetch(tokens)  # chunk 0 of ``tokens``, in L1
+        with pytest.raises(LayoutError, match="other tokens"):
+            await engine.retrieve(other, [4, 5, 6, 7], prefetch=handle)
+        after = engine.stats().engine
+        assert after == dataclasses.replace(before, prefetch_calls=before.prefetch_calls + 1)
+        result = await engine.retrieve(tokens, [4, 5, 6, 7])
+        assert result.valid_tokens == CHUNK
+        assert engine.stats().engine.retrieve_calls == before.retrieve_calls + 1
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,7 @@ class TieredKVEngine:
         # The keys of recent token sequences: a request's lookup and retrieve hash them once.
         self._keys = KeyMemo()
         self._runtime: EngineRuntime | None = None  # from open until close begins
+        self._closing_runtime: EngineRuntime | None = None  # while close takes it down: `stats`
         self._closed = False
         # Tasks inside a public verb (with nesting depth): aclose lets them finish first.
         self._calls: dict[asyncio.Task[Any], int] = {}
@@ -181,6 +182,7 @@ class TieredKVEngine:
                     "tiered_kv: %d calls still running at close were cancelled", len(running)
                 )
         runtime, self._runtime = self._runtime, None
+        self._closing_runtime = runtime
         try:
             if runtime is not None:
                 await runtime.abort_layerwise_stores()  # never committed: none of it visible
@@ -191,6 +193,7 @@ class TieredKVEngine:
                     self.dropped_on_close = runtime.dropped_writes
                     self.leaked_on_close = runtime.leaked_bytes
         finally:
+            self._closing_runtime = None
             # A closed engine cannot reopen: let go of the engine's KV tensors.
             self._registrations.clear()
 
@@ -561,11 +564,11 @@ class TieredKVEngine:
         num_tokens = request.num_tokens
         skip_prefix_tokens = min(skip_prefix_tokens, num_tokens)
         ids = request.block_ids(block_ids)
-        self._counters.retrieve_calls += 1
         keys = request.keys
         first = skip_prefix_tokens // self.config.chunk_size
         # The caller's prefetch ends with this retrieve, whatever it copies.
         handle = None if prefetch is None else self._claims_for(runtime, prefetch, keys)
+        self._counters.retrieve_calls += 1  # its arguments are accepted (as every verb counts)
         if first >= len(keys):
             if handle is not None:
                 handle.release_unused()
@@ -706,8 +709,11 @@ class TieredKVEngine:
 
     def stats(self) -> metrics.EngineStats:
         """Every component's typed statistics now, as one snapshot; `EngineStats.to_prometheus`
-        renders it for Prometheus, `EngineStats.as_dict` as plain dicts."""
-        runtime = self._runtime
+        renders it for Prometheus, `EngineStats.as_dict` as plain dicts. While `aclose` drains
+        (pending writes flushed, loads cancelled) every section is still reported; from the end
+        of close on, only ``engine``. A verb's ``*_calls`` counter counts the calls whose
+        arguments it accepted: one refused for a bad argument is not counted."""
+        runtime = self._runtime or self._closing_runtime
         if runtime is None:
             return metrics.EngineStats(engine=dataclasses.replace(self._counters))
         storage, arena = runtime.storage, runtime.arena
