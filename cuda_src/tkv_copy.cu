@@ -14,6 +14,7 @@
 // Compiled at run time by NVRTC (tiered_kv/gpu/kernels.py); no headers needed.
 
 #define TKV_MAX_JOBS 32
+#define TKV_INLINE_IDS 640
 #define TKV_UNROLL 4
 
 struct TkvJob {
@@ -28,8 +29,9 @@ struct TkvJob {
 
 struct TkvParams {
     const unsigned long long* layer_ptrs;  // [num_layers * kv_count] paged base addresses
-    const int* block_ids;                  // request block table: position p lives in
-                                           // block_ids[p / block_size]
+    const int* block_ids;                  // request block table on the device: position p
+                                           // lives in block_ids[p / block_size]; null: in
+                                           // inline_ids[p / block_size - ids_base]
     long long block_stride;                // bytes
     long long pos_stride;                  // bytes
     long long head_stride;                 // bytes
@@ -38,8 +40,9 @@ struct TkvParams {
     int head_bytes;
     int block_size;
     int num_jobs;
-    int pad;
+    int ids_base;  // request block index of inline_ids[0]
     TkvJob jobs[TKV_MAX_JOBS];
+    int inline_ids[TKV_INLINE_IDS];  // a call's block ids, when they fit: no upload before it
 };
 
 // Address of vector `idx` of a job (idx counts vectors row-major over (layer, k, token, vector)).
@@ -56,7 +59,8 @@ __device__ __forceinline__ void tkv_address(const TkvParams& p, const TkvJob& jo
     const unsigned k = lk - layer_off * (unsigned)p.kv_count;
     const unsigned pos = (unsigned)job.token_start + t;
     const unsigned block_index = pos / (unsigned)p.block_size;
-    const long long block = p.block_ids[block_index];
+    const long long block = p.block_ids != nullptr ? p.block_ids[block_index]
+                                                   : p.inline_ids[block_index - (unsigned)p.ids_base];
     const unsigned in_block = pos - block_index * (unsigned)p.block_size;
     const unsigned h = v / vec_per_head;
     const unsigned o = v - h * vec_per_head;

@@ -15,8 +15,12 @@ import pytest
 import torch
 
 from tests.kvfactory import FORMATS, KVCaches, make_caches, poison_blocks
+from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.dispatch import DeviceMover
+from tiered_kv.gpu.events import INLINE_IDS
+from tiered_kv.gpu.kernels import COPY_WIDTHS
+from tiered_kv.gpu.launch import PARAMS_SIZE
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout, build_layout
@@ -257,6 +261,70 @@ async def test_many_chunks_in_one_call(movers: dict[str, KVMover], path: str) ->
             obj.unref()
     finally:
         assert arena.close() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_block_tables_inline_and_uploaded(path: str) -> None:
+    """A call whose chunks touch at most `INLINE_IDS` blocks carries its ids in the launches
+    (even far into the request: the window's base), a wider one uploads the table; both match
+    the reference bit for bit, and a table shorter than the chunks is refused."""
+    far = INLINE_IDS + 60  # request block of the far chunk
+    num_blocks = far + 2
+    shape = {"num_blocks": num_blocks, "num_heads": 4, "head_size": 32}
+    ours, theirs = _pair("vllm_nhd", torch.bfloat16, 31, **shape)
+    lo, lt = _layout(ours, 16), _layout(theirs, 16)
+    mover, oracle = CudaMover(MoverOptions(path=path)), TorchMover()
+    arena = HostArena(16 << 20, pin=True)
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randperm(num_blocks, generator=gen)[: far + 1].tolist()
+    try:
+        for starts in ([far * 16], [0, far * 16]):  # one far chunk: inline; both: uploaded
+            n = 16 * len(starts)
+            a, b = _objects(arena, lo, n, 16), _objects(arena, lt, n, 16)
+
+            def at(
+                objs: list[MemoryObj], skip: int, starts: list[int] = starts
+            ) -> list[ChunkTransfer]:
+                return [ChunkTransfer(o, t, skip) for o, t in zip(objs, starts, strict=True)]
+
+            uploads = mover.stats()["block_table_uploads"]
+            await mover.gather(lo, table, at(a, 0))
+            await oracle.gather(lt, table, at(b, 0))
+            assert all(torch.equal(x.raw(), y.raw()) for x, y in zip(a, b, strict=True))
+            dst = table[::-1]  # other blocks, same length
+            poison_blocks(ours, dst)
+            poison_blocks(theirs, dst)
+            await mover.scatter(lo, dst, at(a, 3))
+            await oracle.scatter(lt, dst, at(b, 3))
+            torch.cuda.synchronize()
+            assert ours.bytes_equal(theirs.snapshot()), starts
+            uploaded = 0 if path == "dma" or len(starts) == 1 else 2
+            assert mover.stats()["block_table_uploads"] - uploads == uploaded
+            for obj in (*a, *b):
+                obj.unref()
+        short = _objects(arena, lo, 16, 16)
+        with pytest.raises(LayoutError, match=f"reach block {far}"):
+            await mover.gather(lo, table[:far], [ChunkTransfer(short[0], far * 16)])
+        short[0].unref()
+    finally:
+        await mover.aclose()
+        assert arena.close() == 0
+
+
+def test_kernel_parameters_are_the_packed_block() -> None:
+    """The launcher packs `PARAMS_SIZE` bytes: the kernels' one parameter is that size."""
+    from cuda.bindings import driver
+
+    mover = CudaMover()
+    state = mover.device_state(torch.device("cuda"))
+    for direction in ("gather", "scatter"):
+        for width in COPY_WIDTHS:
+            err, offset, size = driver.cuFuncGetParamInfo(
+                state.kernels.function(direction, width), 0
+            )
+            assert err == driver.CUresult.CUDA_SUCCESS
+            assert (offset, size) == (0, PARAMS_SIZE), (direction, width)
+    asyncio.run(mover.aclose())
 
 
 @pytest.mark.parametrize("path", PATHS)

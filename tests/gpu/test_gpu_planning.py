@@ -5,22 +5,26 @@ GPU (test_cuda_mover, test_layerwise)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import pytest
 import torch
 
 from tests.kvfactory import FORMATS, make_caches
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import ChunkTransfer, check_layers, layer_places
 from tiered_kv.gpu.calls import hold
 from tiered_kv.gpu.mover import MoverOptions
 from tiered_kv.gpu.plan import (
     MAX_JOBS,
+    Fill,
     LayoutPlan,
+    block_span,
     choose_path,
     copy_width,
     group_plan,
     moved_bytes,
+    pack_fills,
     runs,
     slot_fills,
 )
@@ -34,6 +38,24 @@ def test_copy_width_is_the_widest_that_divides_everything() -> None:
     assert copy_width(256, 8) == 8
     assert copy_width(6) == 2
     assert copy_width(9) == 1
+
+
+def test_block_span_covers_every_touched_block_and_checks_the_table() -> None:
+    layout, _ = _layout("vllm_nhd")
+    arena = HostArena(1 << 20)
+    try:
+        a = arena.allocate_obj(layout.layout_desc, 32)
+        b = arena.allocate_obj(layout.layout_desc, 20)  # a partial last chunk
+        assert a is not None and b is not None
+        transfers = [ChunkTransfer(b, 96, 5), ChunkTransfer(a, 32)]
+        assert block_span(16, transfers, 8) == (2, 8)  # tokens 32..115: blocks 2..7
+        assert block_span(16, [ChunkTransfer(b, 96)], 8) == (6, 8)  # one chunk: its own blocks
+        with pytest.raises(LayoutError, match="has 7 ids, but the chunks reach block 7"):
+            block_span(16, transfers, 7)
+        a.unref()
+        b.unref()
+    finally:
+        assert arena.close() == 0
 
 
 def _layout(
@@ -118,6 +140,38 @@ def test_dma_runs_cover_exactly_the_rows(fmt: str, skip: int) -> None:
                 assert len(chunk_runs) <= math.ceil((obj.num_tokens - skip) / 16) + 1
     finally:
         obj.unref()
+        assert arena.close() == 0
+
+
+@pytest.mark.parametrize("layers", [None, (4, 0, 2)])
+def test_a_repeated_call_shape_reuses_its_packing_with_its_own_chunks(
+    layers: tuple[int, ...] | None,
+) -> None:
+    layout, _ = _layout("vllm_nhd", num_layers=5)
+    plan = _plan(layout)
+    arena = HostArena(4 << 20, pin=False)
+    objs = [arena.allocate_obj(layout.layout_desc, n) for n in [32, 32, 7] * 2 + [32]]
+    assert all(o is not None for o in objs)
+    first = [ChunkTransfer(o, 32 * i) for i, o in enumerate(objs[:3]) if o is not None]
+    again = [ChunkTransfer(o, 32 * i) for i, o in enumerate(objs[3:6]) if o is not None]
+    other = [ChunkTransfer(o, 32 * i) for i, o in enumerate(objs[4:]) if o is not None]
+
+    def packed(fills: Iterable[Fill]) -> list[tuple[object, ...]]:
+        return [
+            (f.group, [(id(t), a, b) for t, a, b in f.pieces], f.completes, f.nbytes) for f in fills
+        ]
+
+    try:
+        for ramp_up in (True, False):
+            for transfers in (first, again, other):
+                cached = slot_fills(plan, transfers, 3 << 10, ramp_up=ramp_up, layers=layers)
+                fresh = pack_fills(plan, transfers, 3 << 10, ramp_up=ramp_up, layers=layers)
+                assert packed(cached) == packed(fresh)
+        assert len(plan.fill_shapes) == 4  # (first, again) share a shape; other differs
+    finally:
+        for o in objs:
+            if o is not None:
+                o.unref()
         assert arena.close() == 0
 
 

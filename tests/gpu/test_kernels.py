@@ -11,6 +11,7 @@ import pytest
 
 from tiered_kv.errors import KernelCompileError
 from tiered_kv.gpu import kernels
+from tiered_kv.gpu.events import INLINE_IDS
 from tiered_kv.gpu.plan import MAX_JOBS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,7 @@ def test_kernel_names_match_the_source_instantiations() -> None:
     widths = {int(w) for w in re.findall(r"^TKV_INSTANTIATE\((\d+),", source, re.M)}
     assert widths == set(kernels.COPY_WIDTHS)
     assert f"#define TKV_MAX_JOBS {MAX_JOBS}" in source
+    assert f"#define TKV_INLINE_IDS {INLINE_IDS}" in source
 
 
 def test_compile_error_carries_the_nvrtc_log() -> None:

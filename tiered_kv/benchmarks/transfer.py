@@ -311,6 +311,8 @@ async def probe(case: Case, reps: int, profile: bool = False) -> None:
     ids = torch.tensor(case.blocks_a, dtype=torch.int32, device="cuda")
     from cuda.bindings import driver
 
+    from tiered_kv.gpu.events import BlockTable
+
     per_layer = group.slab_bytes(1, CHUNK)
     layers = min(group.num_layers, (32 << 20) // per_layer)
     job = [(staging.data_ptr(), 0, 0, CHUNK, 0, layers)]
@@ -324,7 +326,7 @@ async def probe(case: Case, reps: int, profile: bool = False) -> None:
                 stream,
                 to_host,
                 case.layout.block_size,
-                ids.data_ptr(),
+                BlockTable(ids.data_ptr()),
                 job,
                 ctas,
             )

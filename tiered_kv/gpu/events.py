@@ -1,9 +1,9 @@
 """CUDA events of `CudaMover`'s calls: what orders a call after its caller, times it, and
 tells its completion, per call (`CallBuffers`) and per layer (`CudaLayerLoad`).
 
-Owns the pinned/device block table of a call and its ready/begun/done events (pooled per
-device), and a layerwise load's per-layer events. Enqueues nothing but event records, waits and
-the block table's upload.
+Owns the block table of a call (`BlockTable`: inline in its launches' parameters, or a pinned
+and a device copy) and its ready/begun/done events (pooled per device), and a layerwise load's
+per-layer events. Enqueues nothing but event records, waits and the block table's upload.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import ctypes
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -19,6 +20,23 @@ import torch
 from tiered_kv.errors import LayoutError, TieredKVError
 from tiered_kv.gpu.base import LayerLoad
 from tiered_kv.gpu.kernels import check_driver, cuda_driver
+
+INLINE_IDS = 640  # TKV_INLINE_IDS in cuda_src/tkv_copy.cu
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockTable:
+    """Where a call's kernels read its block ids. ``device``: the address of an uploaded copy of
+    the whole table; 0: ``ids`` (request blocks ``base`` onwards) travel in each launch's
+    parameters, so nothing is uploaded and no kernel waits for a copy."""
+
+    device: int
+    base: int = 0
+    ids: array.array[int] | None = None
+
+    @property
+    def inline(self) -> bool:
+        return self.device == 0
 
 
 class CallBuffers:
@@ -41,15 +59,20 @@ class CallBuffers:
             self.host_ids = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
             self.device_ids = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
 
-    def upload_ids(self, block_ids: Sequence[int], stream: Any) -> int:
-        """Queue the block table's copy to the device on ``stream``; returns its device address.
-        The pinned source stays untouched until the call completes (the buffers are the call's)."""
+    def block_table(
+        self, block_ids: Sequence[int], blocks: tuple[int, int], stream: Any
+    ) -> BlockTable:
+        """The call's table, for kernels that read request blocks ``blocks`` = [first, end)
+        (`plan.block_span`, checked against ``block_ids``):
+        inline when they are at most `INLINE_IDS`, else the whole table's copy to the device
+        queued on ``stream``. The pinned source stays untouched until the call completes (the
+        buffers are the call's)."""
+        first, end = blocks
+        if end - first <= INLINE_IDS:
+            return BlockTable(0, first, _int32s(block_ids[first:end]))
         driver = cuda_driver()
 
-        try:
-            ids = array.array("i", block_ids)
-        except OverflowError as exc:
-            raise LayoutError(f"block ids must fit in int32: {exc}") from None
+        ids = _int32s(block_ids)
         self.reserve(len(ids))
         nbytes = len(ids) * ids.itemsize
         ctypes.memmove(self.host_ids.data_ptr(), ids.buffer_info()[0], nbytes)
@@ -59,7 +82,14 @@ class CallBuffers:
             ),
             "cuMemcpyHtoDAsync(block ids)",
         )
-        return self.device_ids.data_ptr()
+        return BlockTable(self.device_ids.data_ptr())
+
+
+def _int32s(block_ids: Sequence[int]) -> array.array[int]:
+    try:
+        return array.array("i", block_ids)
+    except OverflowError as exc:
+        raise LayoutError(f"block ids must fit in int32: {exc}") from None
 
 
 class LayerPull(Protocol):

@@ -1,7 +1,8 @@
 """Launches of the copy kernel for `CudaMover`: the mapped path's kernels and staging fills.
 
-Owns `Launcher`: packing a launch's parameter block (up to `MAX_JOBS` jobs) into one reused
-buffer, whole-block rows, the grid, the launch counters; a call's mapped kernels
+Owns `Launcher`: a call's block table (`block_table`: inline in the parameters when it fits),
+packing a launch's parameter block (up to `MAX_JOBS` jobs) into one reused buffer, whole-block
+rows, the grid, the launch counters; a call's mapped kernels
 (`enqueue_mapped`) and its staging fills through a direction's ring (`queue_fill`,
 `enqueue_staging`). Owns no call state: references, buffers and completion are calls.py's.
 Called on the loop thread and on the thread that pulls a layerwise load (layerwise.py);
@@ -23,6 +24,7 @@ from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.calls import Call
 from tiered_kv.gpu.device import DeviceState, MoverOptions
+from tiered_kv.gpu.events import INLINE_IDS, BlockTable
 from tiered_kv.gpu.kernels import check_driver, cuda_driver
 from tiered_kv.gpu.plan import (
     JOB_MAX_BYTES,
@@ -39,7 +41,8 @@ from tiered_kv.gpu.staging import Direction, Job, enqueue_fill
 
 _PARAMS_HEAD = struct.Struct("<QQqqqiiiiii")  # TkvParams up to jobs[]
 _JOB = struct.Struct("<Qiiiiii")  # TkvJob
-_PARAMS_SIZE = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size
+_IDS_OFFSET = _PARAMS_HEAD.size + MAX_JOBS * _JOB.size  # TkvParams.inline_ids
+PARAMS_SIZE = _IDS_OFFSET + INLINE_IDS * 4
 _THREADS = 256
 _UNROLL = 4  # TKV_UNROLL
 LEAD_SLOTS = 2  # staging enqueues this many slots' worth before yielding to the loop
@@ -60,10 +63,23 @@ class Launcher:
         self.counters: dict[str, int | float] = {
             "kernel_launches": 0,
             "kernel_launches_block_rows": 0,
+            "block_table_uploads": 0,
         }
         self.before_fill_launch: FillHook | None = None
-        self._params = ctypes.create_string_buffer(_PARAMS_SIZE)
+        self._params = ctypes.create_string_buffer(PARAMS_SIZE)
         self._params_arg = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
+        self._ids_address = ctypes.addressof(self._params) + _IDS_OFFSET
+
+    def block_table(
+        self, call: Call, block_ids: Sequence[int], span: tuple[int, int], stream: object
+    ) -> BlockTable:
+        """``call``'s block table for its kernels: inline in each launch when the blocks it
+        touches (``span``, `plan.block_span`) fit (`INLINE_IDS`), else uploaded on ``stream``
+        (counted)."""
+        table = call.buffers.block_table(block_ids, span, stream)
+        if not table.inline:
+            self.counters["block_table_uploads"] += 1
+        return table
 
     def launch(
         self,
@@ -72,13 +88,14 @@ class Launcher:
         stream: object,
         to_host: bool,
         block_size: int,
-        device_ids: int,
+        table: BlockTable,
         jobs: Sequence[Job],
         ctas: int,
     ) -> None:
         """One launch of the copy kernel over up to `MAX_JOBS` jobs of one group, on ``stream``
-        (a ``CUstream``). The parameter block is packed into one reused buffer: the driver copies
-        it at launch (under the lock: a layerwise load's waiter launches too)."""
+        (a ``CUstream``). The parameter block (with an inline table's ids) is packed into one
+        reused buffer: the driver copies it at launch (under the lock: a layerwise load's
+        waiter launches too)."""
         driver = cuda_driver()
         rows = group.block_rows
         if rows is not None:
@@ -102,7 +119,7 @@ class Launcher:
                 params,
                 0,
                 group.layer_ptrs.data_ptr(),
-                device_ids,
+                table.device,
                 group.block_stride,
                 group.pos_stride,
                 group.head_stride,
@@ -111,8 +128,12 @@ class Launcher:
                 group.head_bytes,
                 block_size,
                 len(jobs),
-                0,
+                table.base,
             )
+            ids = table.ids
+            if table.device == 0 and ids is not None:
+                address, count = ids.buffer_info()
+                ctypes.memmove(self._ids_address, address, count * ids.itemsize)
             # Vectors of the largest job (the grid covers it); each job below 2^31 vectors.
             layer_vectors = group.kv_count * group.row_bytes // group.width
             max_vectors = 1
@@ -155,13 +176,13 @@ class Launcher:
         side: Direction,
         to_host: bool,
         block_size: int,
-        device_ids: int,
+        table: BlockTable,
         ctas: int,
     ) -> None:
         """A staging fill's kernel on ``side``'s kernel stream (`enqueue_fill`'s ``launch``)."""
         if self.before_fill_launch is not None:
             self.before_fill_launch(side, to_host, jobs)
-        self.launch(state, group, side.kernel_cu, to_host, block_size, device_ids, jobs, ctas)
+        self.launch(state, group, side.kernel_cu, to_host, block_size, table, jobs, ctas)
 
     def enqueue_mapped(
         self,
@@ -169,7 +190,7 @@ class Launcher:
         plan: LayoutPlan,
         side: Direction,
         to_host: bool,
-        device_ids: int,
+        table: BlockTable,
         transfers: Sequence[ChunkTransfer],
         layers: Sequence[int] | None,
     ) -> None:
@@ -193,12 +214,10 @@ class Launcher:
                         start = host + group.slab_bytes(l0, obj.num_tokens)
                         jobs.append((start, transfer.token_start, t_begin, obj.num_tokens, l0, l1))
             for batch in batches(jobs, MAX_JOBS):
-                self.launch(
-                    state, group, side.kernel_cu, to_host, block_size, device_ids, batch, ctas
-                )
+                self.launch(state, group, side.kernel_cu, to_host, block_size, table, batch, ctas)
 
     def queue_fill(
-        self, call: Call, plan: LayoutPlan, fill: Fill, to_host: bool, device_ids: int, edge: bool
+        self, call: Call, plan: LayoutPlan, fill: Fill, to_host: bool, table: BlockTable, edge: bool
     ) -> int:
         """Queue one staging fill of ``call`` through its side's ring, under the lock (a
         layerwise load's waiter may be queueing on the same ring). The one kernel nothing
@@ -212,7 +231,7 @@ class Launcher:
             side=call.side,
             to_host=to_host,
             block_size=plan.layout.block_size,
-            device_ids=device_ids,
+            table=table,
             ctas=ctas * EDGE_CTA_FACTOR if edge else ctas,
         )
         layer_done = None if call.load is None else call.load.record_layer
@@ -224,7 +243,7 @@ class Launcher:
         plan: LayoutPlan,
         call: Call,
         to_host: bool,
-        device_ids: int,
+        table: BlockTable,
         transfers: Sequence[ChunkTransfer],
     ) -> bool:
         """Queue every fill of ``call``, yielding to the loop between fills once `LEAD_SLOTS`
@@ -243,7 +262,7 @@ class Launcher:
             fill = upcoming
             upcoming = next(fills, None)
             edge = not queued if to_host else upcoming is None
-            nbytes = self.queue_fill(call, plan, fill, to_host, device_ids, edge)
+            nbytes = self.queue_fill(call, plan, fill, to_host, table, edge)
             if call.trace is not None and not queued:
                 call.trace["first_copy"] = time.perf_counter()
             queued += nbytes

@@ -28,9 +28,9 @@ from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerSave, check_layers
 from tiered_kv.gpu.calls import Call, CallTracker, hold, new_call, retrieved
 from tiered_kv.gpu.device import DeviceState
 from tiered_kv.gpu.dma import enqueue_dma
-from tiered_kv.gpu.events import CudaLayerLoad
+from tiered_kv.gpu.events import BlockTable, CudaLayerLoad
 from tiered_kv.gpu.launch import LEAD_SLOTS, Launcher
-from tiered_kv.gpu.plan import LayoutPlan, moved_bytes, slot_fills
+from tiered_kv.gpu.plan import LayoutPlan, block_span, moved_bytes, slot_fills
 from tiered_kv.gpu.staging import enqueue_fill
 from tiered_kv.layout import KVCacheLayout
 
@@ -65,6 +65,7 @@ class LayerwiseLoads:
         loop = asyncio.get_running_loop()
         layers = check_layers(plan.layout, None)
         front = self._mapped_front(plan, transfers, layers)
+        span = block_span(plan.layout.block_size, transfers, len(block_ids))
         side = state.load
         call = new_call(
             state,
@@ -82,18 +83,16 @@ class LayerwiseLoads:
                 state.kernels.make_current()
                 state.ensure_slots(side, plan)
                 call.open(plan, torch.cuda.current_stream(state.device), False)
-                device_ids = call.buffers.upload_ids(block_ids, side.kernel_cu)
+                table = launcher.block_table(call, block_ids, span, side.kernel_cu)
                 for layer in front:
-                    launcher.enqueue_mapped(
-                        state, plan, side, False, device_ids, transfers, (layer,)
-                    )
+                    launcher.enqueue_mapped(state, plan, side, False, table, transfers, (layer,))
                     load.record_layer(layer, side.kernel_stream)
         except BaseException:
             torch.cuda.synchronize(state.device)
             call.release()
             raise
         pull = LoadPull(
-            call, plan, device_ids, transfers, loop, layers[len(front) :], launcher, self._ended
+            call, plan, table, transfers, loop, layers[len(front) :], launcher, self._ended
         )
         self._pulls.add(pull)
         load.pull, load.pulled = pull, pull.submitted
@@ -170,7 +169,7 @@ class LoadPull:
         self,
         call: Call,
         plan: LayoutPlan,
-        device_ids: int,
+        table: BlockTable,
         transfers: Sequence[ChunkTransfer],
         loop: asyncio.AbstractEventLoop,
         layers: Sequence[int],
@@ -192,7 +191,7 @@ class LoadPull:
         self._fills = slot_fills(plan, transfers, side.slot_bytes, ramp_up=False, layers=layers)
         self._upcoming = next(self._fills, None)
         self._plan = plan
-        self._device_ids = device_ids
+        self._table = table
         self._launcher = launcher
         self._on_end = ended
 
@@ -253,7 +252,7 @@ class LoadPull:
                     # fill that completes the last layer is the last one (layer-major).
                     fill = self._upcoming
                     edge = self.last in fill.completes
-                    self._launcher.queue_fill(call, self._plan, fill, False, self._device_ids, edge)
+                    self._launcher.queue_fill(call, self._plan, fill, False, self._table, edge)
                     self._upcoming = next(self._fills, None)
                 call.buffers.done.record(call.side.kernel_stream)
             except BaseException as exc:  # what was queued finishes; the rest never runs
@@ -296,7 +295,7 @@ class CudaLayerSave(LayerSave):
         self.transfers = list(transfers)
         self.call: Call | None = None
         self.plan: LayoutPlan | None = None
-        self.device_ids = 0
+        self.table = BlockTable(0)  # set with the call
         self.last_bytes = 0
         self.submitted = False
         self._device_state = device_state
@@ -320,6 +319,7 @@ class CudaLayerSave(LayerSave):
             state = self._device_state(self.layout.device)
             plan = state.plan(self.layout)
             side = state.store
+            span = block_span(self.layout.block_size, transfers, len(self.block_ids))
             call = new_call(state, side, "gather", hold(transfers), plan.path, learn=False)
             self.call, self.plan = call, plan
             state.kernels.make_current()
@@ -328,7 +328,7 @@ class CudaLayerSave(LayerSave):
             first = side.dma_stream if plan.path == "dma" else side.kernel_stream
             call.buffers.begun.record(first)
             if plan.path != "dma":
-                self.device_ids = call.buffers.upload_ids(self.block_ids, side.kernel_cu)
+                self.table = launcher.block_table(call, self.block_ids, span, side.kernel_cu)
         state, side, saved_plan = call.state, call.side, self.plan
         if saved_plan is None:  # unreachable: set with the call
             raise TieredKVError("layerwise gather without a plan")
@@ -343,7 +343,7 @@ class CudaLayerSave(LayerSave):
         if plan.path == "dma":
             enqueue_dma(plan, side, True, self.block_ids, transfers, layers)
         elif plan.path == "mapped":
-            launcher.enqueue_mapped(state, plan, side, True, self.device_ids, transfers, layers)
+            launcher.enqueue_mapped(state, plan, side, True, self.table, transfers, layers)
         else:
             launch = functools.partial(
                 launcher.launch_fill,
@@ -351,7 +351,7 @@ class CudaLayerSave(LayerSave):
                 side=side,
                 to_host=True,
                 block_size=plan.layout.block_size,
-                device_ids=self.device_ids,
+                table=self.table,
                 ctas=launcher.options.staging_ctas,
             )
             # Only the first layer ramps up (nothing precedes its first DMA); later layers go

@@ -41,7 +41,7 @@ from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
 from tiered_kv.gpu.kernels import load_kernels, release_kernels
 from tiered_kv.gpu.launch import Launcher
 from tiered_kv.gpu.layerwise import CudaLayerSave, LayerwiseLoads
-from tiered_kv.gpu.plan import PATHS, LayoutPlan, choose_path, moved_bytes
+from tiered_kv.gpu.plan import PATHS, LayoutPlan, block_span, choose_path, moved_bytes
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
 
@@ -219,6 +219,7 @@ class CudaMover(KVMover):
         start = time.perf_counter()
         state = self.device_state(layout.device)
         plan = state.plan(layout)
+        span = block_span(layout.block_size, transfers, len(block_ids))
         to_host = direction == "gather"
         side = state.store if to_host else state.load
         loop = asyncio.get_running_loop()
@@ -240,7 +241,7 @@ class CudaMover(KVMover):
             call.trace["call"] = time.perf_counter()
         caller = state.current_stream()
         try:
-            cancelled = await self._enqueue(call, plan, caller, to_host, block_ids, transfers)
+            cancelled = await self._enqueue(call, plan, caller, to_host, block_ids, span, transfers)
         except BaseException:
             # Part of the call may be queued and still touch the objects: let it finish.
             torch.cuda.synchronize(state.device)
@@ -289,6 +290,7 @@ class CudaMover(KVMover):
         caller: torch.cuda.Stream,
         to_host: bool,
         block_ids: Sequence[int],
+        span: tuple[int, int],
         transfers: Sequence[ChunkTransfer],
     ) -> bool:
         """Queue the whole call on the GPU, ending with ``call.buffers.done``. Staging yields to
@@ -308,18 +310,16 @@ class CudaMover(KVMover):
                 call.record_layers(layers, side.dma_stream)
             buffers.done.record(side.dma_stream)
             return False
-        device_ids = buffers.upload_ids(block_ids, side.kernel_cu)
+        table = self.launcher.block_table(call, block_ids, span, side.kernel_cu)
         if call.trace is not None:
             call.trace["ids"] = time.perf_counter()
         if plan.path == "mapped":
             for layers in call.layer_steps():
-                self.launcher.enqueue_mapped(
-                    state, plan, side, to_host, device_ids, transfers, layers
-                )
+                self.launcher.enqueue_mapped(state, plan, side, to_host, table, transfers, layers)
                 call.record_layers(layers, side.kernel_stream)
             buffers.done.record(side.kernel_stream)
             return False
-        cancelled = await self.launcher.enqueue_staging(plan, call, to_host, device_ids, transfers)
+        cancelled = await self.launcher.enqueue_staging(plan, call, to_host, table, transfers)
         # Gathers end with a DMA, scatters with a kernel; each waited for the other.
         buffers.done.record(side.dma_stream if to_host else side.kernel_stream)
         return cancelled

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, layer_places
 from tiered_kv.gpu.kernels import COPY_WIDTHS
 from tiered_kv.layout import KVCacheLayout, LayerGroup
@@ -108,6 +109,10 @@ class LayoutPlan:
     _counts: dict[tuple[int, ...], tuple[int, ...]] = dataclasses.field(
         init=False, default_factory=dict
     )
+    # `slot_fills`' packings by call shape: a serving engine repeats a few shapes.
+    fill_shapes: dict[tuple[Any, ...], list[FillShape]] = dataclasses.field(
+        init=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         chunk = self.layout.layout_desc.chunk_size
@@ -181,6 +186,20 @@ def moved_bytes(
     return per_token * tokens
 
 
+def block_span(
+    block_size: int, transfers: Sequence[ChunkTransfer], table_len: int
+) -> tuple[int, int]:
+    """The request blocks [first, end) that ``transfers`` touch (their kernels' block ids),
+    checked against a block table of ``table_len`` ids."""
+    first = min(t.token_start for t in transfers)
+    end = -(-max(t.token_start + t.obj.num_tokens for t in transfers) // block_size)
+    if end > table_len:
+        raise LayoutError(
+            f"the block table has {table_len} ids, but the chunks reach block {end - 1}"
+        )
+    return first // block_size, end
+
+
 def group_offset(obj: MemoryObj, group: GroupPlan) -> int:
     return obj.layout.group_offsets(obj.num_tokens)[group.group.index]
 
@@ -201,7 +220,50 @@ class Fill:
     nbytes: int = 0
 
 
+# A packed fill with its chunks as indexes into the call's transfers: group, pieces
+# (transfer index, first layer, end layer), completed model layers, bytes.
+FillShape = tuple[GroupPlan, tuple[tuple[int, int, int], ...], tuple[int, ...], int]
+FILL_SHAPES_KEPT = 256
+
+
 def slot_fills(
+    plan: LayoutPlan,
+    transfers: Sequence[ChunkTransfer],
+    slot_bytes: int,
+    *,
+    ramp_up: bool,
+    layers: Sequence[int] | None = None,
+) -> Iterator[Fill]:
+    """`pack_fills`' fills, the packing remembered per call shape (slot, direction, layers,
+    each chunk's tokens) in ``plan``: a repeated shape costs one lookup, not a packing."""
+    key = (
+        slot_bytes,
+        ramp_up,
+        None if layers is None else tuple(layers),
+        tuple([t.obj.num_tokens for t in transfers]),
+    )
+    shapes = plan.fill_shapes.get(key)
+    if shapes is None:
+        where = {id(t): i for i, t in enumerate(transfers)}
+        shapes = [
+            (
+                fill.group,
+                tuple((where[id(t)], l0, l1) for t, l0, l1 in fill.pieces),
+                tuple(fill.completes),
+                fill.nbytes,
+            )
+            for fill in pack_fills(plan, transfers, slot_bytes, ramp_up=ramp_up, layers=layers)
+        ]
+        if len(plan.fill_shapes) >= FILL_SHAPES_KEPT:
+            plan.fill_shapes.clear()
+        plan.fill_shapes[key] = shapes
+    return (
+        Fill(group, [(transfers[i], l0, l1) for i, l0, l1 in pieces], list(completes), nbytes)
+        for group, pieces, completes, nbytes in shapes
+    )
+
+
+def pack_fills(
     plan: LayoutPlan,
     transfers: Sequence[ChunkTransfer],
     slot_bytes: int,

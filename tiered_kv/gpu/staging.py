@@ -10,8 +10,8 @@ pulling a layerwise load; a layerwise gather enqueues on the loop, the store rin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -60,10 +60,9 @@ class Direction:
 MAX_PITCH = 1 << 30  # well inside what cuMemcpy2D accepts for a host or device pitch
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StridedCopy:
+class StridedCopy(NamedTuple):
     """``rows`` copies of ``width`` bytes: row k from ``src + k * src_pitch`` to
-    ``dst + k * dst_pitch`` (one row: a plain copy)."""
+    ``dst + k * dst_pitch`` (one row: a plain copy). A tuple: one is made per fill."""
 
     dst: int
     src: int
@@ -105,7 +104,10 @@ def copy_runs(runs: Sequence[tuple[int, int, int]], stream: object, *, to_host: 
     one `cuMemcpy2DAsync` (a 32-chunk layer-major fill: one call instead of 32), the rest one
     `cuMemcpyAsync` each."""
     driver = cuda_driver()
-
+    if len(runs) == 1:  # a one-chunk fill: nothing to stride
+        dst, src, nbytes = runs[0]
+        check_driver(driver.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+        return
     for copy in strided_copies(runs):
         if copy.rows == 1:
             check_driver(
@@ -134,13 +136,14 @@ def fill_parts(
     fill: Fill, base: int, to_host: bool
 ) -> tuple[list[Job], list[tuple[int, int, int]]]:
     """A fill's kernel jobs (each piece's slab at its place in the slot at ``base``) and its
-    (host, slot address, bytes) copies, pieces adjacent on the host merged. Pure arithmetic, on
-    the loop thread for every fill (a 32k-token layerwise load has 4096 pieces): kept flat."""
+    (destination, source, bytes) copies (host and slot addresses, in ``to_host``'s order),
+    pieces adjacent on the host merged. Pure arithmetic, on the loop thread for every fill (a
+    32k-token layerwise load has 4096 pieces): kept flat."""
     group = fill.group
     row_bytes = group.kv_count * group.row_bytes  # one token row of one layer, K and V
     index = group.group.index
     jobs: list[Job] = []
-    copies: list[tuple[int, int, int]] = []
+    copies: list[tuple[int, int, int]] = []  # (host, slot, bytes) until the end
     offset = 0
     last_end = -1  # host address just past the last copy
     for transfer, l0, l1 in fill.pieces:
@@ -165,6 +168,8 @@ def fill_parts(
             copies.append((host, base + offset, nbytes))
         last_end = host + nbytes
         offset += nbytes
+    if not to_host:
+        copies = [(slot, host, nbytes) for host, slot, nbytes in copies]
     return jobs, copies
 
 
@@ -188,12 +193,12 @@ def enqueue_fill(
         launch(jobs)
         side.filled[slot].record(side.kernel_stream)
         side.dma_stream.wait_event(side.filled[slot])
-        copy_runs([(host, dev, n) for host, dev, n in copies], side.dma_cu, to_host=True)
+        copy_runs(copies, side.dma_cu, to_host=True)
         side.freed[slot].record(side.dma_stream)
     else:
         if side.used[slot]:
             side.dma_stream.wait_event(side.freed[slot])
-        copy_runs([(dev, host, n) for host, dev, n in copies], side.dma_cu, to_host=False)
+        copy_runs(copies, side.dma_cu, to_host=False)
         side.filled[slot].record(side.dma_stream)
         side.kernel_stream.wait_event(side.filled[slot])
         launch(jobs)
@@ -202,4 +207,4 @@ def enqueue_fill(
             for layer in fill.completes:
                 layer_done(layer, side.kernel_stream)
     side.used[slot] = True
-    return sum(copy[2] for copy in copies)
+    return fill.nbytes

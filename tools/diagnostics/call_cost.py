@@ -102,7 +102,12 @@ def primitives() -> None:
     asyncio.run(futures())
 
 
-def whole_calls(cases: list[str], reps: int) -> None:
+def whole_calls(
+    cases: list[str],
+    reps: int,
+    paths: tuple[str, ...] = ("staging", "mapped"),
+    modes: tuple[bool, ...] = (False, True),
+) -> None:
     from tiered_kv.benchmarks.common import run_on_engine_loop
     from tiered_kv.benchmarks.transfer import Case
     from tiered_kv.gpu.mover import CudaMover, MoverOptions
@@ -146,9 +151,9 @@ def whole_calls(cases: list[str], reps: int) -> None:
 
     for name in cases:
         case = Case(name, 1)
-        for path in ("staging", "mapped"):
+        for path in paths:
             for _ in range(2):  # alternating, so drift shows
-                for watch in (False, True):
+                for watch in modes:
                     run_on_engine_loop(run(case, path, watch))
         case.close()
 
@@ -199,13 +204,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="int8_132,mla,llama_nhd")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--paths", default="staging,mapped")
+    parser.add_argument("--watch-only", action="store_true", help="skip the waiter-alone rows")
+    parser.add_argument("--no-primitives", action="store_true")
     parser.add_argument("--profile", help="only cProfile one-chunk staging calls of this case")
     args = parser.parse_args()
     if args.profile:
         profile(args.profile, 500)
         return
-    primitives()
-    whole_calls(args.cases.split(","), args.reps)
+    if not args.no_primitives:
+        primitives()
+    modes = (True,) if args.watch_only else (False, True)
+    whole_calls(args.cases.split(","), args.reps, tuple(args.paths.split(",")), modes)
 
 
 if __name__ == "__main__":
