@@ -9,7 +9,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -18,8 +18,13 @@ import torch
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.config import EngineConfig, format_size
 from tiered_kv.engine import TieredKVEngine
+from tiered_kv.errors import EngineStateError
+from tiered_kv.gpu.base import MoverStats
 from tiered_kv.keys import ChunkKey
+from tiered_kv.metrics import EngineStats
+from tiered_kv.storage import StorageStats, TierReadStats, WriteQueueStats
 from tiered_kv.sync import new_event_loop
+from tiered_kv.tiers.l1 import L1Stats
 
 
 # -- demo ---------------------------------------------------------------------------------------
@@ -187,7 +192,7 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                     report.turns += 1
                     progress.advance(f"turn {turn + 1}")
             await engine.flush()
-            before = engine.stats().as_dict()
+            before = _DemoStats.of(engine.stats())
         # Restart on the same L2 directory: a new process would see the same thing.
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(
@@ -199,10 +204,29 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                     engine, model, user.history, rng, report
                 )
                 progress.advance("after restart")
-            after = engine.stats().as_dict()
+            after = _DemoStats.of(engine.stats())
         elapsed = time.perf_counter() - started
     _print_report(out, report, before, after, elapsed, device, config, spec)
     return 0 if report.mismatched_chunks == 0 and report.verified_chunks > 0 else 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _DemoStats:
+    """The sections of an open engine's `EngineStats` that the demo's report reads."""
+
+    l1: L1Stats
+    storage: StorageStats
+    mover: MoverStats
+    l2_reads: TierReadStats
+    l2_writes: WriteQueueStats
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> _DemoStats:
+        storage, l1, mover = stats.storage, stats.l1, stats.mover
+        l2 = None if storage is None else storage.tier("L2")
+        if storage is None or l1 is None or mover is None or l2 is None or l2.writes is None:
+            raise EngineStateError("tiered-kv demo: statistics taken from a closed engine")
+        return cls(l1, storage, mover, l2.reads, l2.writes)
 
 
 def _rate(nbytes: float, seconds: float) -> str:
@@ -216,15 +240,15 @@ def _per_op(seconds: float, count: float) -> float | None:
 def _print_report(
     out: TextIO,
     report: DemoReport,
-    before: dict[str, dict[str, int | float]],
-    after: dict[str, dict[str, int | float]],
+    before: _DemoStats,
+    after: _DemoStats,
     elapsed: float,
     device: torch.device,
     config: EngineConfig,
     spec: DemoModel,
 ) -> None:
-    def total(section: str, name: str) -> float:
-        return before.get(section, {}).get(name, 0) + after.get(section, {}).get(name, 0)
+    def total(read: Callable[[_DemoStats], float]) -> float:
+        return read(before) + read(after)
 
     w = out.write
     w("\ntiered_kv demo\n")
@@ -240,38 +264,46 @@ def _print_report(
         f"{report.computed_tokens}\n\n"
     )
     w(f"  {'hits (chunks)':<26}{'before restart':>16}{'after restart':>16}\n")
-    for tier in ("l1", "l2"):
-        w(
-            f"  {tier.upper():<26}{before['storage'].get(f'hits_{tier}', 0):>16}"
-            f"{after['storage'].get(f'hits_{tier}', 0):>16}\n"
-        )
-    w(f"  {'L1 evictions':<26}{before['l1']['evictions']:>16}{after['l1']['evictions']:>16}\n\n")
+    hits: list[tuple[str, Callable[[_DemoStats], int]]] = [
+        ("L1", lambda stats: stats.storage.l1_hits),
+        ("L2", lambda stats: stats.l2_reads.hits),
+        ("L1 evictions", lambda stats: stats.l1.evictions),
+    ]
+    for name, count in hits:
+        w(f"  {name:<26}{count(before):>16}{count(after):>16}\n")
+    w("\n")
     # Throughput is bytes over the time the path was busy (at least one operation running),
     # never over the sum of overlapping per-operation latencies; latency is shown on its own.
     rows = [
         (
             "device -> L1 (store)",
-            total("mover", "bytes_gathered"),
-            total("mover", "gather_seconds"),
+            total(lambda stats: stats.mover.bytes_gathered),
+            total(lambda stats: stats.mover.gather_seconds),
             None,
         ),
         (
             "L1 -> device (retrieve)",
-            total("mover", "bytes_scattered"),
-            total("mover", "scatter_seconds"),
+            total(lambda stats: stats.mover.bytes_scattered),
+            total(lambda stats: stats.mover.scatter_seconds),
             None,
         ),
         (
             "L1 -> L2 (disk write)",
-            total("storage", "l2_write_bytes"),
-            total("storage", "l2_write_busy_seconds"),
-            _per_op(total("storage", "l2_write_seconds"), total("storage", "l2_write_done")),
+            total(lambda stats: stats.l2_writes.bytes_written),
+            total(lambda stats: stats.l2_writes.busy_seconds),
+            _per_op(
+                total(lambda stats: stats.l2_writes.write_seconds),
+                total(lambda stats: stats.l2_writes.done),
+            ),
         ),
         (
             "L2 -> L1 (disk read)",
-            total("storage", "l2_read_bytes"),
-            total("storage", "l2_read_busy_seconds"),
-            _per_op(total("storage", "l2_read_seconds"), total("storage", "hits_l2")),
+            total(lambda stats: stats.l2_reads.bytes_read),
+            total(lambda stats: stats.l2_reads.busy_seconds),
+            _per_op(
+                total(lambda stats: stats.l2_reads.read_seconds),
+                total(lambda stats: stats.l2_reads.hits),
+            ),
         ),
     ]
     w(f"  {'path':<26}{'bytes':>16}{'throughput':>16}{'latency/chunk':>16}\n")

@@ -8,7 +8,7 @@ and labels are its internal step), its nested name → number dicts for JSON out
 handy for scrapers in scripts), and, when the optional ``prometheus-client`` is installed, a
 `PrometheusCollector` for its registry (the same families). Must not keep state of its own or
 touch the engine's internals: everything comes from the snapshot. Never reads a name back out of
-a dict key.
+a dict key; nor should its readers: `as_dict` is for JSON output, code reads the attributes.
 """
 
 from __future__ import annotations

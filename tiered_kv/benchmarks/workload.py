@@ -55,6 +55,8 @@ from tiered_kv.benchmarks.common import (
 )
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.config import parse_size
+from tiered_kv.metrics import EngineStats
+from tiered_kv.prefetch import PrefetchCounters
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l2 import DiskTier
 from tiered_kv.tiers.testing import FaultyTier
@@ -94,8 +96,13 @@ class Result:
     ttft_ms: tuple[float, ...]
     stall_ms: tuple[float, ...]
     late_tokens: int
-    prefetch: dict[str, int | float]
+    stats: EngineStats  # the engine's at the scenario's end
     wall_s: float
+
+    @property
+    def prefetch(self) -> PrefetchCounters:
+        prefetch = self.stats.prefetch
+        return PrefetchCounters() if prefetch is None else prefetch.counters
 
     @property
     def hit_rate(self) -> float:
@@ -194,14 +201,11 @@ async def run_scenario(
 
             for batch in rounds:
                 await asyncio.gather(*(serve(prompt, i) for i, prompt in enumerate(batch)))
-            stats = engine.stats().as_dict()
+            stats = engine.stats()
         wall = time.perf_counter() - started
-    storage = stats["storage"]
-    chunks = {
-        key[len("hits_") :].upper(): int(value)
-        for key, value in storage.items()
-        if key.startswith("hits_")
-    }
+    chunks = {} if stats.storage is None else {"L1": stats.storage.l1_hits}
+    for tier in () if stats.storage is None else stats.storage.tiers:
+        chunks[tier.name.upper()] = tier.reads.hits
     return Result(
         scenario,
         sum(len(batch) for batch in rounds),
@@ -212,7 +216,7 @@ async def run_scenario(
         tuple(ttft),
         tuple(stall),
         late,
-        dict(stats["prefetch"]),
+        stats,
         wall,
     )
 
@@ -228,9 +232,7 @@ def format_table(results: Sequence[Result]) -> str:
     lines = [head, rule]
     for r in results:
         p = r.prefetch
-        outcomes = (
-            f"{p.get('ready_in_time', 0)} / {p.get('ready_after_wait', 0)} / {p.get('late', 0)}"
-        )
+        outcomes = f"{p.ready_in_time} / {p.ready_after_wait} / {p.late}"
         lines.append(
             f"| {'on' if r.scenario.prefetch else 'off'} | {r.scenario.lead_ms:g} | "
             f"{statistics.fmean(r.ttft_ms):.2f} / {percentile(r.ttft_ms, 0.5):.2f} / "
@@ -378,7 +380,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                             "chunks_by_tier": r.chunks_by_tier,
                             "restored_tokens_per_s": r.restore_rate,
                             "late_tokens": r.late_tokens,
-                            "prefetch_outcomes": r.prefetch,
+                            "prefetch_outcomes": r.stats.as_dict().get("prefetch", {}),
                             "wall_s": r.wall_s,
                         }
                         for r in results

@@ -95,7 +95,7 @@ class EngineHost(SyncTieredKVEngine):
         """Register a model's caches, or one layer group of a hybrid model: each group under a
         model name of its own, ``sliding_window`` (tokens) for a sliding-window group, and the
         serving stack's ``block_size`` (default: the layout's token multiple). Lookups answer
-        for every group registered (see `answer_lookup`)."""
+        for every group registered (`HostLookups.answer`)."""
         desc = super().register_kv_caches(
             kv_caches,
             model_name=model_name,
@@ -107,25 +107,15 @@ class EngineHost(SyncTieredKVEngine):
         return desc
 
     def serve_lookups(self, path: str) -> None:
-        """Answer `lookup` on the Unix socket ``path`` (see `lookup_channel`)."""
+        """Answer a scheduler's lookups (`HostLookups.answer`) on the Unix socket ``path`` (see
+        `lookup_channel`)."""
 
         async def start() -> None:
-            server = LookupServer(path, self.answer_lookup)
+            server = LookupServer(path, self._lookups.answer)
             await server.start()
             self._server = server
 
         self._call(start())
-
-    async def answer_lookup(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        salt: KeySalt | None = None,
-        limit: int | None = None,
-    ) -> int | None:
-        """`HostLookups.answer` (on the loop): tokens of ``token_ids``'s cached prefix now in
-        host memory, at most ``limit`` for a hybrid model, or None ("ask again")."""
-        return await self._lookups.answer(request_id, token_ids, salt, limit)
 
     def load(
         self,

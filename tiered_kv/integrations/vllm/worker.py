@@ -464,7 +464,7 @@ class WorkerHalf:
         zero or the engine is closed)."""
         if self._host is None:
             return None
-        totals = worker_totals(self._host.stats().as_dict())
+        totals = worker_totals(self._host.stats())
         totals["load_error_blocks"] = self.load_error_blocks
         data = {}
         for name, value in totals.items():
