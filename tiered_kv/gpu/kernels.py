@@ -264,6 +264,7 @@ class DeviceKernels:
     context: Any
     module: Any
     functions: Mapping[str, Any]
+    _by_key: dict[tuple[bool, int], Any] = dataclasses.field(default_factory=dict, init=False)
 
     def make_current(self) -> None:
         """Make the device's primary context current on this thread (a no-op when it is)."""
@@ -274,6 +275,15 @@ class DeviceKernels:
 
     def function(self, direction: str, width: int) -> Any:
         return self.functions[f"tkv_{direction}_w{width}"]
+
+    def copy_function(self, to_host: bool, width: int) -> Any:
+        """The gather (``to_host``) or scatter kernel of ``width`` (a tuple lookup per launch)."""
+        by_key = self._by_key
+        if not by_key:
+            for direction in ("gather", "scatter"):
+                for w in COPY_WIDTHS:
+                    by_key[direction == "gather", w] = self.function(direction, w)
+        return by_key[to_host, width]
 
 
 _loaded: dict[int, DeviceKernels] = {}

@@ -68,7 +68,9 @@ class Launcher:
         self.before_fill_launch: FillHook | None = None
         self._params = ctypes.create_string_buffer(PARAMS_SIZE)
         self._params_arg = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
-        self._ids_address = ctypes.addressof(self._params) + _IDS_OFFSET
+        self._params_address = ctypes.addressof(self._params_arg)
+        self._params_bytes = memoryview(self._params).cast("B")
+        self._packed_ids: object = None  # the inline ids the parameter block holds now
 
     def block_table(
         self, call: Call, block_ids: Sequence[int], span: tuple[int, int], stream: object
@@ -131,9 +133,11 @@ class Launcher:
                 table.base,
             )
             ids = table.ids
-            if table.device == 0 and ids is not None:
-                address, count = ids.buffer_info()
-                ctypes.memmove(self._ids_address, address, count * ids.itemsize)
+            if ids is not None and ids is not self._packed_ids:  # a fill after the first: kept
+                self._params_bytes[_IDS_OFFSET : _IDS_OFFSET + 4 * len(ids)] = memoryview(ids).cast(
+                    "B"
+                )
+                self._packed_ids = ids
             # Vectors of the largest job (the grid covers it); each job below 2^31 vectors.
             layer_vectors = group.kv_count * group.row_bytes // group.width
             max_vectors = 1
@@ -149,7 +153,7 @@ class Launcher:
                 raise LayoutError(f"copy job of {max_vectors} vectors exceeds the kernel's 2^31")
             per_cta = _THREADS * _UNROLL
             grid_x = max(1, min(-(-ctas // len(jobs)), -(-max_vectors // per_cta)))
-            function = state.kernels.function("gather" if to_host else "scatter", group.width)
+            function = state.kernels.copy_function(to_host, group.width)
             check_driver(
                 driver.cuLaunchKernel(
                     function,
@@ -161,7 +165,7 @@ class Launcher:
                     1,
                     0,
                     stream,
-                    ctypes.addressof(self._params_arg),
+                    self._params_address,
                     0,
                 ),
                 "cuLaunchKernel(tkv copy)",
