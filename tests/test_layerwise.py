@@ -50,7 +50,7 @@ class GatedMover(TorchMover):
         self.gate = threading.Event()
         self.order: list[tuple[int, int]] = []  # (layer, token_start)
 
-    def _scatter_layer(
+    def scatter_layer(
         self,
         layout: KVCacheLayout,
         block_ids: torch.Tensor,
@@ -61,7 +61,7 @@ class GatedMover(TorchMover):
             assert self.gate.wait(10), "the test never opened the gate"
         for transfer in transfers:
             self.order.append((layer, transfer.token_start))
-        super()._scatter_layer(layout, block_ids, transfers, layer)
+        super().scatter_layer(layout, block_ids, transfers, layer)
 
 
 class FailingKeysTier(MemoryTier):

@@ -219,7 +219,7 @@ class TorchMover(KVMover):
 
         def copy_layers(ids: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
             for layer in range(layout.num_layers):
-                self._scatter_layer(layout, ids, transfers, layer)
+                self.scatter_layer(layout, ids, transfers, layer)
                 load.layer_copied(layer, stream)
 
         load.future = asyncio.ensure_future(
@@ -233,14 +233,15 @@ class TorchMover(KVMover):
         await asyncio.sleep(0)  # the worker has the job: the caller may wait per layer now
         return load
 
-    def _scatter_layer(
+    def scatter_layer(
         self,
         layout: KVCacheLayout,
         block_ids: torch.Tensor,
         transfers: Sequence[ChunkTransfer],
         layer: int,
     ) -> None:
-        """Worker thread: model layer ``layer`` of every transfer."""
+        """Worker thread: model layer ``layer`` of every transfer (a subclass may wrap it to
+        observe or hold back a layerwise load layer by layer, as tests do)."""
         only = frozenset((layer,))
         for transfer in transfers:
             scatter_chunk(layout, block_ids, transfer, only)
