@@ -309,3 +309,42 @@ async def test_a_call_not_begun_or_far_behind_its_prediction_is_left_to_the_wait
     finally:
         await tracker.drain()
         tracker.close()
+
+
+async def test_a_short_awaited_call_is_watched_by_its_caller_alone_unless_it_is_handed_over() -> (
+    None
+):
+    """A call predicted to end within `SPIN_LEAD_S` never reaches the waiter thread when its
+    caller sees it end; one that outlasts the caller's watch, or whose caller leaves without
+    waiting (cancelled), is handed over and still finished once."""
+    from tiered_kv.gpu.calls import SPIN_LEAD_S, CallTracker
+
+    tracker = CallTracker()
+    try:
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        quick = _tracked_call(now, now + 50e-6)
+        tracker.submit(quick, now, 50e-6, loop, awaited=True)
+        assert tracker.waiter.pending == 0  # deferred: no submission, no thread woken
+        seen = await asyncio.wait_for(tracker.wait(quick), 5)
+        assert seen >= quick.buffers.done.at and quick.finished
+        assert tracker.waiter.polls == 0 and tracker.waiter.pending == 0
+
+        now = time.perf_counter()
+        late = _tracked_call(now, now + 0.030)  # predicted 50 µs: the watch gives up
+        tracker.submit(late, now, 50e-6, loop, awaited=True)
+        seen = await asyncio.wait_for(tracker.wait(late), 5)
+        assert seen >= late.buffers.done.at and late.finished
+        assert tracker.waiter.polls > 0  # the thread saw it end
+
+        now = time.perf_counter()
+        left = _tracked_call(now, now + 0.010)
+        tracker.submit(left, now, SPIN_LEAD_S / 2, loop, awaited=True)
+        tracker.hand_over(left)  # the caller was cancelled before waiting
+        assert tracker.waiter.pending == 1
+        await asyncio.wait_for(tracker.drain(), 5)
+        assert left.finished and left.result.result() >= left.buffers.done.at
+        assert tracker.counters["scatter_staging_calls"] == 3
+    finally:
+        await tracker.drain()
+        tracker.close()

@@ -58,6 +58,9 @@ class Call:
     predicted_end: float = 0.0  # perf_counter seconds, set when submitted
     finished: bool = False  # `CallTracker._finish` has run (it runs once)
     watch: object = None  # the waiter's handle of the submission
+    # (predicted start, seconds, loop) of a short awaited call its caller watches first: the
+    # waiter thread gets it only if that watch gives up (`CallTracker.hand_over`).
+    deferred: tuple[float, float, asyncio.AbstractEventLoop] | None = None
     near: asyncio.Future[None] | None = None  # resolves shortly before the predicted end
 
     def open(self, plan: LayoutPlan, caller: torch.cuda.Stream, to_host: bool) -> None:
@@ -181,9 +184,31 @@ class CallTracker:
         """``call`` is wholly queued, ending with ``call.buffers.done``: finish it on ``loop``
         once the waiter sees that event (polling from ``predicted`` seconds after
         ``predicted_start``). ``awaited``: its caller will `wait` for it, so the waiter also
-        wakes that caller shortly before the predicted end."""
+        wakes that caller shortly before the predicted end; a call predicted to end sooner than
+        that is left to its caller's watch alone until the caller hands it over (`wait`, or
+        `hand_over` when the caller leaves first): no thread wakes for it, and none takes the
+        GIL from the loop while the caller enqueues its next call."""
         self._inflight.add(call)
         call.predicted_end = predicted_start + predicted
+        if awaited and call.predicted_end - time.perf_counter() <= SPIN_LEAD_S:
+            call.deferred = (predicted_start, predicted, loop)
+            return
+        self._to_waiter(call, predicted_start, predicted, loop, awaited)
+
+    def hand_over(self, call: Call) -> None:
+        """A deferred call's caller stops watching: the waiter thread finishes it."""
+        deferred, call.deferred = call.deferred, None
+        if deferred is not None and not call.finished:
+            self._to_waiter(call, *deferred, awaited=False)
+
+    def _to_waiter(
+        self,
+        call: Call,
+        predicted_start: float,
+        predicted: float,
+        loop: asyncio.AbstractEventLoop,
+        awaited: bool,
+    ) -> None:
         early = None
         if awaited:
             call.near = loop.create_future()
@@ -202,6 +227,10 @@ class CallTracker:
         """The caller's wait for a submitted ``call``: asleep until shortly before its predicted
         end, then watching its last event on the loop thread (`SPIN_LEAD_S`, `SPIN_GRACE_S`).
         Returns when the call was seen done."""
+        if call.deferred is not None:
+            self._watch(call)
+            self.hand_over(call)  # the watch gave up (a call behind others, or late)
+            return await call.result
         near = call.near
         far = call.predicted_end - time.perf_counter() > SPIN_LEAD_S
         if near is not None and far and not near.done():
@@ -224,7 +253,8 @@ class CallTracker:
                     return
         except Exception:  # a GPU fault: the waiter thread delivers it
             return
-        self.waiter.withdraw(call.watch)
+        if call.watch is not None:
+            self.waiter.withdraw(call.watch)
         self._finish(call, time.perf_counter(), None)
 
     def _finish(self, call: Call, seen: float, error: BaseException | None) -> None:

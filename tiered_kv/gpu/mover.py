@@ -261,6 +261,7 @@ class CudaMover(KVMover):
             load.result = call.result
             call.result.add_done_callback(retrieved)
         if cancelled:
+            self._calls.hand_over(call)  # its caller will not watch it
             raise asyncio.CancelledError
         if load is not None:
             return
