@@ -215,6 +215,7 @@ async def test_waiter_posts_the_early_callback_once_and_a_withdrawn_call_is_neve
         assert waiter.pending == 0
         await asyncio.sleep(0.050)  # past the event's completion
         assert delivered == []  # a withdrawn call is not delivered
+        assert waiter.pokes == 0  # the early callback woke the loop: no pokes besides
     finally:
         waiter.close()
 

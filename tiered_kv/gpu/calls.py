@@ -57,10 +57,9 @@ class Call:
     learn: bool = True  # teach the clock this call's rate (not for gathers with gaps)
     predicted_end: float = 0.0  # perf_counter seconds, set when submitted
     finished: bool = False  # `CallTracker._finish` has run (it runs once)
-    watch: object = None  # the waiter's handle of the submission
-    # (predicted start, seconds, loop) of a short awaited call its caller watches first: the
-    # waiter thread gets it only if that watch gives up (`CallTracker.hand_over`).
-    deferred: tuple[float, float, asyncio.AbstractEventLoop] | None = None
+    watch: object = None  # the waiter's handle of the submission (None: not with the waiter)
+    # (predicted start, seconds, loop), kept for `CallTracker.hand_over`.
+    prediction: tuple[float, float, asyncio.AbstractEventLoop] | None = None
     near: asyncio.Future[None] | None = None  # resolves shortly before the predicted end
 
     def open(self, plan: LayoutPlan, caller: torch.cuda.Stream, to_host: bool) -> None:
@@ -190,16 +189,16 @@ class CallTracker:
         GIL from the loop while the caller enqueues its next call."""
         self._inflight.add(call)
         call.predicted_end = predicted_start + predicted
+        call.prediction = (predicted_start, predicted, loop)
         if awaited and call.predicted_end - time.perf_counter() <= SPIN_LEAD_S:
-            call.deferred = (predicted_start, predicted, loop)
             return
         self._to_waiter(call, predicted_start, predicted, loop, awaited)
 
     def hand_over(self, call: Call) -> None:
-        """A deferred call's caller stops watching: the waiter thread finishes it."""
-        deferred, call.deferred = call.deferred, None
-        if deferred is not None and not call.finished:
-            self._to_waiter(call, *deferred, awaited=False)
+        """The caller stops watching ``call`` (its watch gave up, or it was cancelled before
+        waiting): the waiter thread finishes it, unless it already has it or it is done."""
+        if call.watch is None and not call.finished and call.prediction is not None:
+            self._to_waiter(call, *call.prediction, awaited=False)
 
     def _to_waiter(
         self,
@@ -225,18 +224,20 @@ class CallTracker:
 
     async def wait(self, call: Call) -> float:
         """The caller's wait for a submitted ``call``: asleep until shortly before its predicted
-        end, then watching its last event on the loop thread (`SPIN_LEAD_S`, `SPIN_GRACE_S`).
-        Returns when the call was seen done."""
-        if call.deferred is not None:
-            self._watch(call)
-            self.hand_over(call)  # the watch gave up (a call behind others, or late)
-            return await call.result
-        near = call.near
-        far = call.predicted_end - time.perf_counter() > SPIN_LEAD_S
-        if near is not None and far and not near.done():
-            await near
-        if not call.finished:
-            self._watch(call)
+        end (woken by the waiter thread), then watching its last event on the loop thread alone
+        (`SPIN_LEAD_S`, `SPIN_GRACE_S`): the call is withdrawn from the waiter meanwhile, so no
+        thread takes the GIL from the loop; it goes back if the watch gives up. Returns when
+        the call was seen done."""
+        if call.watch is not None:
+            near = call.near
+            far = call.predicted_end - time.perf_counter() > SPIN_LEAD_S
+            if near is not None and far and not near.done():
+                await near
+            if call.finished or not self.waiter.withdraw(call.watch):
+                return await call.result  # seen, or being delivered by the thread
+            call.watch = None
+        self._watch(call)
+        self.hand_over(call)  # the watch gave up (a call behind others, or late)
         return await call.result
 
     def _watch(self, call: Call) -> None:
@@ -253,8 +254,6 @@ class CallTracker:
                     return
         except Exception:  # a GPU fault: the waiter thread delivers it
             return
-        if call.watch is not None:
-            self.waiter.withdraw(call.watch)
         self._finish(call, time.perf_counter(), None)
 
     def _finish(self, call: Call, seen: float, error: BaseException | None) -> None:

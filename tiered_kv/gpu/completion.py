@@ -126,14 +126,16 @@ class CompletionWaiter:
         the ``time.perf_counter()`` at which the thread saw it. If the query raises (a CUDA
         error), ``callback(seen, error)`` instead. The call is predicted to run from ``start``
         for ``predicted_s`` (see `TransferClock`). ``early``, if given, runs on ``loop`` once,
-        at ``early_at`` (perf_counter seconds) unless the event was seen before. Returns a
-        handle for `withdraw`."""
+        at ``early_at`` (perf_counter seconds) unless the event was seen before, and the loop
+        gets no pokes (its submitter watches the event from then on). Returns a handle for
+        `withdraw`."""
         end = start + predicted_s
         poll_at = start + EARLY_FRACTION * predicted_s
         late_at = poll_at + LATE_FRACTION * predicted_s + LATE_GRACE_S
         pending = _Pending(event, poll_at, end - PREWAKE_LEAD_S, late_at, POLL_S, loop, callback)
-        if early is not None:
+        if early is not None:  # the loop wakes for it and watches: no pokes
             pending.early, pending.early_at = early, early_at
+            pending.next_poke = math.inf
         with self._cond:
             if self._closed:
                 raise RuntimeError("CompletionWaiter is closed")
