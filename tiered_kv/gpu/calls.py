@@ -25,7 +25,7 @@ from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.completion import CompletionWaiter
 from tiered_kv.gpu.device import DeviceState
 from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
-from tiered_kv.gpu.plan import PATHS, LayoutPlan
+from tiered_kv.gpu.plan import PATHS, CallDirection, LayoutPlan, MoverPath
 from tiered_kv.gpu.staging import Direction
 from tiered_kv.memory import MemoryObj
 
@@ -41,14 +41,14 @@ SPIN_GRACE_S = 100e-6
 class Call:
     """One gather or scatter from enqueue to release."""
 
-    direction: str
+    direction: CallDirection
     state: DeviceState
     side: Direction
     buffers: CallBuffers
     held: list[MemoryObj]
     nbytes: int
     result: asyncio.Future[float]
-    path: str
+    path: MoverPath
     start: float
     trace: dict[str, Any] | None = None
     layers: tuple[int, ...] | None = None  # model layers moved (None: all, chunk-major)
@@ -116,9 +116,9 @@ def hold(transfers: Sequence[ChunkTransfer]) -> list[MemoryObj]:
 def new_call(
     state: DeviceState,
     side: Direction,
-    direction: str,
+    direction: CallDirection,
     held: list[MemoryObj],
-    path: str,
+    path: MoverPath,
     *,
     nbytes: int = 0,
     start: float | None = None,

@@ -16,7 +16,7 @@ import torch
 from tiered_kv.errors import TieredKVError
 from tiered_kv.gpu.events import CallBuffers
 from tiered_kv.gpu.kernels import DeviceKernels, check_driver
-from tiered_kv.gpu.plan import PATHS, LayoutPlan, choose_path, group_plan
+from tiered_kv.gpu.plan import LayoutPlan, PathChoice, choose_path, group_plan, path_choice
 from tiered_kv.gpu.staging import Direction
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import HostArena
@@ -31,7 +31,7 @@ class MoverOptions:
     small layers launches its first ``mapped_front_layers`` layers (at most all but one) as
     mapped kernels before it returns (0: staging fills only; docs/layerwise.md)."""
 
-    path: str = "auto"
+    path: PathChoice = "auto"
     staging_slot_bytes: int = 32 << 20
     staging_slots: int = 3
     staging_ctas: int = 32
@@ -39,10 +39,7 @@ class MoverOptions:
     mapped_front_layers: int = 4
 
     def __post_init__(self) -> None:
-        if self.path not in ("auto", *PATHS):
-            raise ValueError(
-                f"MoverOptions.path: expected 'auto' or one of {PATHS}, got {self.path!r}"
-            )
+        path_choice(self.path)  # a string from outside the type checker: refused clearly
         if self.staging_slots < 2:
             raise ValueError(f"MoverOptions.staging_slots must be >= 2, got {self.staging_slots}")
         if self.staging_slot_bytes < 4096:

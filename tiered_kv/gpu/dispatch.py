@@ -26,9 +26,10 @@ class DeviceMover(KVMover):
 
     def __init__(self, *, cuda_path: str | None = None) -> None:
         from tiered_kv.gpu.mover import MoverOptions
+        from tiered_kv.gpu.plan import path_choice
 
         self._cuda_options = MoverOptions(
-            path=cuda_path or os.environ.get("TIERED_KV_GPU_PATH", "auto")
+            path=path_choice(cuda_path or os.environ.get("TIERED_KV_GPU_PATH", "auto"))
         )
         self.torch = TorchMover()
         self.cuda: KVMover | None = None

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 
@@ -273,16 +273,16 @@ class DeviceKernels:
         if current is None or int(current) != int(self.context):
             check_driver(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def function(self, direction: str, width: int) -> Any:
+    def function(self, direction: Literal["gather", "scatter"], width: int) -> Any:
         return self.functions[f"tkv_{direction}_w{width}"]
 
     def copy_function(self, to_host: bool, width: int) -> Any:
         """The gather (``to_host``) or scatter kernel of ``width`` (a tuple lookup per launch)."""
         by_key = self._by_key
         if not by_key:
-            for direction in ("gather", "scatter"):
-                for w in COPY_WIDTHS:
-                    by_key[direction == "gather", w] = self.function(direction, w)
+            for w in COPY_WIDTHS:
+                by_key[True, w] = self.function("gather", w)
+                by_key[False, w] = self.function("scatter", w)
         return by_key[to_host, width]
 
 

@@ -41,7 +41,14 @@ from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
 from tiered_kv.gpu.kernels import load_kernels, release_kernels
 from tiered_kv.gpu.launch import Launcher
 from tiered_kv.gpu.layerwise import CudaLayerSave, LayerwiseLoads
-from tiered_kv.gpu.plan import PATHS, LayoutPlan, block_span, choose_path, moved_bytes
+from tiered_kv.gpu.plan import (
+    PATHS,
+    CallDirection,
+    LayoutPlan,
+    block_span,
+    choose_path,
+    moved_bytes,
+)
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
 
@@ -199,7 +206,7 @@ class CudaMover(KVMover):
     # -- one call ------------------------------------------------------------------------------
     async def _move(
         self,
-        direction: str,
+        direction: CallDirection,
         layout: KVCacheLayout,
         block_ids: Sequence[int],
         transfers: Sequence[ChunkTransfer],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,7 +22,10 @@ from tiered_kv.gpu.kernels import COPY_WIDTHS
 from tiered_kv.layout import KVCacheLayout, LayerGroup
 from tiered_kv.memory import MemoryObj
 
-PATHS = ("staging", "mapped", "dma")
+MoverPath = Literal["staging", "mapped", "dma"]
+PathChoice = Literal["auto", "staging", "mapped", "dma"]  # what a user asks for
+CallDirection = Literal["gather", "scatter"]  # GPU → host, host → GPU
+PATHS: tuple[MoverPath, ...] = ("staging", "mapped", "dma")
 MAX_JOBS = 32  # TKV_MAX_JOBS in cuda_src/tkv_copy.cu
 JOB_MAX_BYTES = 1 << 30
 RAMP_STEPS = 3  # staging fills ramp from (or down to) slot/8: see `slot_fills`
@@ -100,7 +103,7 @@ def group_plan(group: LayerGroup, device: torch.device) -> GroupPlan:
 class LayoutPlan:
     layout: KVCacheLayout  # keeps the layout (and its tensors) alive while the plan is cached
     groups: tuple[GroupPlan, ...]
-    path: str
+    path: MoverPath
     # Bytes of the largest one-layer slab of a chunk: no staging slot may be smaller.
     largest_layer: int = dataclasses.field(init=False)
     # `layer_places` of the layout: model layer → (group index, index inside the group).
@@ -142,7 +145,16 @@ def copy_width(*values: int) -> int:
     return 1
 
 
-def choose_path(layout: KVCacheLayout, requested: str = "auto") -> str:
+def path_choice(value: str) -> PathChoice:
+    """``value`` as a path choice (an env var or CLI string); a clear error otherwise."""
+    choices: tuple[PathChoice, ...] = ("auto", *PATHS)
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise ValueError(f"mover path: expected 'auto' or one of {PATHS}, got {value!r}")
+
+
+def choose_path(layout: KVCacheLayout, requested: PathChoice = "auto") -> MoverPath:
     """``auto``: DMA only when every group's rows are contiguous over a whole block (NHD-like), so
     a chunk is a few long runs; otherwise staging, which reaches the DMA ceiling for any layout
     while using few SMs. The mapped path is never the default: it competes with the model for
