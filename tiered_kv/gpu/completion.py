@@ -1,21 +1,16 @@
 """Turning "the GPU reached this event" into an asyncio result: no blocked loop, no spinning core.
 
-A blocking-sync CUDA event wakes its waiter 0.6-0.9 ms late (measured on an H200), and a host
-function (``cuLaunchHostFunc``) that calls into Python must take the GIL on the driver's thread:
-a main thread that holds the GIL while the driver waits for that function (``cudaFree``'s
-implicit synchronisation, say) deadlocks. So one thread per mover polls instead, and only near
-the end: `TransferClock` predicts when a call's bytes should be through, from the fastest rate
-seen, and `CompletionWaiter` sleeps until just before then and polls every few tens of
-microseconds (timer slack cut to 1 µs on Linux so the sleeps are that short). The finished call's
-callback runs on its event loop through ``call_soon_threadsafe``: no executor future, no task.
+Owns `TransferClock` (when a queue of transfers should end, from the fastest rate seen) and
+`CompletionWaiter` (one daemon thread per mover that sleeps until just before a submission's
+predicted end, then polls its event and runs its callback on its loop with
+``call_soon_threadsafe``). Why not blocking-sync events or host functions, and the wake-up
+latencies behind the lead times: docs/architecture.md, "Completion".
 
-Waking a loop that has slept for the whole transfer took about 210 µs on the GPU machine; one
-that was woken in the last few hundred microseconds wakes in about 60
-(`tools/diagnostics/wakeup.py`). So in the last `PREWAKE_LEAD_S` before the predicted end, the
-waiter also pokes the loop with a no-op every `PREWAKE_S`: a handful of empty loop iterations
-per call. A submission may also ask for an early callback (``early``) at ``early_at``: the
-waiter posts it to the loop once, so that the loop is awake before the end and can watch the
-event itself (`CallTracker.wait`) instead of paying the thread's sighting and the hop back.
+Rules: the thread never blocks in the driver (it polls ``query``); it calls into a loop only
+through ``call_soon_threadsafe``; near a non-awaited call's predicted end it pokes that loop with
+a no-op every `PREWAKE_S` (`PREWAKE_LEAD_S` ahead) so the loop is awake for the delivery; a
+submission with an early callback (``early``: its submitter watches the event itself from then
+on) gets that callback once and no pokes; a withdrawn submission is never delivered.
 """
 
 from __future__ import annotations

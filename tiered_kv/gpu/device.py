@@ -76,8 +76,8 @@ class DeviceState:
         self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 
     def current_stream(self) -> torch.cuda.Stream:
-        """The calling thread's current stream on this device. torch's object for it is made
-        once per stream (`torch.cuda.current_stream` builds one per call: 4 µs of a small call)."""
+        """The calling thread's current stream on this device; torch's object for it is made once
+        per stream (`torch.cuda.current_stream` builds a new one per call)."""
         if _GET_CURRENT_STREAM is None:
             return torch.cuda.current_stream(self.device)
         raw: tuple[int, int, int] = _GET_CURRENT_STREAM(self.index)
