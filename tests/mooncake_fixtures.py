@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.remote_fixtures import free_port
+from tiered_kv.benchmarks.common import free_port, stop_process
 
 
 def master_binary() -> str:
@@ -145,26 +145,8 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM by pid, SIGKILL after 10 s."""
-    if process.poll() is not None:
-        return
-    os.kill(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
+        if process is not None:
+            stop_process(process, timeout_s=10)
 
 
 def _listening(port: int) -> bool:

@@ -22,15 +22,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from tiered_kv.benchmarks.common import free_port, stop_process
 from tiered_kv.tiers.remote.server import RemoteCacheServer, ServerOptions
 
 REDIS_URL_ENV = "TIERED_KV_TEST_REDIS_URL"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def free_cluster_port() -> int:
@@ -95,18 +90,9 @@ def _start_redis(directory: Path, port: int, *extra: str) -> subprocess.Popen[by
     try:
         _wait_ping(port)
     except BaseException:
-        _stop(process)
+        stop_process(process, timeout_s=10)
         raise
     return process
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +117,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        _stop(process)
+        stop_process(process, timeout_s=10)
 
 
 @pytest.fixture(scope="session")
@@ -178,7 +164,7 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
     finally:
         for process in processes:
-            _stop(process)
+            stop_process(process, timeout_s=10)
 
 
 def _wait_cluster_ok(ports: list[int], timeout_s: float = 30.0) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
 import subprocess
 import time
@@ -19,27 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
-from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
-from tiered_kv.memory import HostArena, MemoryObj
-from tiered_kv.tiers.l2 import LOCK_NAME, DiskTier
+from tests.faults.indexed_chunks import CHUNK, IndexedChunks, chunk_files, temp_files
+from tiered_kv.memory import HostArena
+from tiered_kv.tiers.l2 import DiskTier
 from tiered_kv.tiers.testing import FullDiskFileOps
 
 MiB = 1 << 20
 DISK = 8 * MiB
 OTHER_FILES = 2 * MiB
 CAPACITY = 64 * MiB  # far more than the disk holds: only the disk stops us
-CHUNK = 64
-LAYOUT = MemoryLayoutDesc(
-    (
-        GroupLayout(torch.bfloat16, num_layers=4, kv_count=2, row_elems=128),
-        GroupLayout(torch.int8, num_layers=1, kv_count=1, row_elems=132),
-    ),
-    CHUNK,
-)
-SCOPE = KeyScope("full", "test-model", "v1", 1, 0, LAYOUT.layout_id)
 CONCURRENT_PUTS = 4  # as the engine's background writer keeps several in flight
 PUTS_WHILE_FULL = 120  # about 140 KiB each: the 6 MiB left hold about 45
 PUTS_AFTER_FREEING = 40
@@ -49,24 +37,7 @@ def num_tokens_of(index: int) -> int:
     return CHUNK if index % 3 else 1 + (index * 7919) % CHUNK  # partial chunks too
 
 
-def key_of(index: int) -> ChunkKey:
-    return chunk_keys(SCOPE, [index, *range(num_tokens_of(index) - 1)], CHUNK)[0]
-
-
-def chunk_of(arena: HostArena, index: int) -> MemoryObj:
-    obj = arena.allocate_obj(LAYOUT, num_tokens_of(index))
-    assert obj is not None
-    data = bytearray(random.Random(index).randbytes(obj.nbytes))
-    obj.raw().copy_(torch.frombuffer(data, dtype=torch.uint8))
-    return obj
-
-
-def temp_files(root: Path) -> list[Path]:
-    return [path for path in root.rglob("*.tmp") if path.is_file()]
-
-
-def chunk_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and p.name != LOCK_NAME]
+CHUNKS = IndexedChunks("full", num_tokens_of)
 
 
 @pytest.fixture
@@ -119,10 +90,13 @@ async def put_all(tier: DiskTier, arena: HostArena, indices: range) -> list[bool
     stored: list[bool] = []
     for start in range(indices.start, indices.stop, CONCURRENT_PUTS):
         batch = range(start, min(start + CONCURRENT_PUTS, indices.stop))
-        objs = [chunk_of(arena, index) for index in batch]
+        objs = [CHUNKS.chunk_of(arena, index) for index in batch]
         try:
             stored += await asyncio.gather(
-                *(tier.put(key_of(index), obj) for index, obj in zip(batch, objs, strict=True))
+                *(
+                    tier.put(CHUNKS.key_of(index), obj)
+                    for index, obj in zip(batch, objs, strict=True)
+                )
             )
         finally:
             for obj in objs:
@@ -132,20 +106,9 @@ async def put_all(tier: DiskTier, arena: HostArena, indices: range) -> list[bool
 
 async def verify_every_entry(tier: DiskTier, arena: HostArena, written: range) -> int:
     """Every chunk the tier holds reads back bit-exact; returns how many."""
-    by_key = {key_of(index): index for index in written}
+    by_key = {CHUNKS.key_of(index): index for index in written}
     for key, _, _ in tier.entries():
-        index = by_key[key]
-        want = chunk_of(arena, index)
-        got = arena.allocate_obj(LAYOUT, num_tokens_of(index))
-        assert got is not None
-        try:
-            got.raw().fill_(0xA5)
-            assert await tier.get_into(key, got), index
-            for group in range(len(LAYOUT.groups)):
-                assert torch.equal(want.group_bytes(group), got.group_bytes(group)), index
-        finally:
-            want.unref()
-            got.unref()
+        await CHUNKS.assert_reads_back(tier, arena, key, by_key[key])
     return len(tier.entries())
 
 
@@ -172,7 +135,7 @@ async def test_full_disk_evicts_resumes_and_recovers(disk: Disk) -> None:
         assert full.bytes_used <= full.effective_capacity <= DISK - OTHER_FILES
         assert temp_files(disk.root) == []
         assert len(chunk_files(disk.root)) == full.entries
-        recent = [key_of(index) for index in range(PUTS_WHILE_FULL - 8, PUTS_WHILE_FULL)]
+        recent = [CHUNKS.key_of(index) for index in range(PUTS_WHILE_FULL - 8, PUTS_WHILE_FULL)]
         assert all(tier.contains(key) for key in recent)
         verified = await verify_every_entry(tier, arena, range(PUTS_WHILE_FULL))
 

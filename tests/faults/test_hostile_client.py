@@ -184,6 +184,15 @@ def _close(streams: list[Stream]) -> None:
         writer.close()
 
 
+async def _recover(served: Served, streams: list[Stream]) -> tuple[dict[str, int | float], float]:
+    """Close the hostile ``streams``; once the server settled it serves a real client. The
+    settled stats and the RSS then."""
+    _close(streams)
+    settled = await served.settled()
+    await served.serves_a_real_client()
+    return settled, served.rss_mib()
+
+
 def _report(
     served: Served, name: str, during_mib: float, after_mib: float, **counts: object
 ) -> str:
@@ -243,10 +252,7 @@ async def test_big_claims_before_auth(server: Served) -> None:
     ]
     during = server.rss_mib()
     codes = await asyncio.gather(*(_ending(stream) for stream in streams))
-    _close(streams)
-    await server.settled()
-    await server.serves_a_real_client()
-    after = server.rss_mib()
+    _, after = await _recover(server, streams)
     summary = _report(
         server,
         "100 unauthenticated connections claiming 4 MiB metas",
@@ -308,10 +314,7 @@ async def test_garbage_bytes(server: Served) -> None:
     # The server answers BAD_FRAME and closes; with our unread garbage left on its side the
     # close may be a reset that drops the answer, so only count that each one was closed.
     endings = await asyncio.gather(*(_ending(stream) for stream in streams))
-    _close(streams)
-    await server.settled()
-    await server.serves_a_real_client()
-    after = server.rss_mib()
+    _, after = await _recover(server, streams)
     summary = _report(
         server,
         "40 connections sending 64 KiB of random bytes",
@@ -336,10 +339,8 @@ async def test_truncated_frames(server: Served) -> None:
     for _, writer in streams:
         await writer.drain()
     during = server.rss_mib()
-    _close(streams)  # the frames stay cut: the connections end half way through them
-    settled = await server.settled()
-    await server.serves_a_real_client()
-    after = server.rss_mib()
+    # The frames stay cut: the connections end half way through them.
+    settled, after = await _recover(server, streams)
     summary = _report(
         server,
         "30 connections closed half way through a header, a meta or a PUT's data",
@@ -385,10 +386,7 @@ async def test_slow_senders(server: Served) -> None:
     for sender in senders:
         sender.cancel()
     await asyncio.gather(*senders, return_exceptions=True)
-    _close(honest + slowloris + slow_auth)
-    await server.settled()
-    await server.serves_a_real_client()
-    after = server.rss_mib()
+    _, after = await _recover(server, honest + slowloris + slow_auth)
     summary = _report(
         server,
         "15 slow senders (a byte at a time)",
@@ -411,10 +409,7 @@ async def test_idle_connections(server: Served) -> None:
     during = server.rss_mib()
     endings = await asyncio.gather(*(_ending(stream) for stream in idle + unauthenticated))
     closed_after_s = time.monotonic() - started
-    _close(idle + unauthenticated)
-    await server.settled()
-    await server.serves_a_real_client()
-    after = server.rss_mib()
+    _, after = await _recover(server, idle + unauthenticated)
     summary = _report(
         server,
         "30 idle connections (10 never authenticated)",
@@ -435,10 +430,7 @@ async def test_more_connections_than_the_limit(server: Served) -> None:
     surplus = [await _open(server, authenticated=False) for _ in range(20)]
     endings = await asyncio.gather(*(_ending(stream, 5.0) for stream in surplus))
     during = server.rss_mib()
-    _close(held + surplus)
-    stats = await server.settled()
-    await server.serves_a_real_client()
-    after = server.rss_mib()
+    stats, after = await _recover(server, held + surplus)
     summary = _report(
         server,
         f"{MAX_CONNECTIONS} connections held, 20 more",

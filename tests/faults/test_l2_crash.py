@@ -27,22 +27,11 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-import torch
 
-from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
-from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
-from tiered_kv.memory import HostArena, MemoryObj
-from tiered_kv.tiers.l2 import LOCK_NAME, DiskTier, FileOps, scan_directory
+from tests.faults.indexed_chunks import CHUNK, IndexedChunks, chunk_files, temp_files
+from tiered_kv.memory import HostArena
+from tiered_kv.tiers.l2 import DiskTier, FileOps, scan_directory
 
-CHUNK = 64
-LAYOUT = MemoryLayoutDesc(
-    (
-        GroupLayout(torch.bfloat16, num_layers=4, kv_count=2, row_elems=128),
-        GroupLayout(torch.int8, num_layers=1, kv_count=1, row_elems=132),
-    ),
-    CHUNK,
-)
-SCOPE = KeyScope("crash", "test-model", "v1", 1, 0, LAYOUT.layout_id)
 CAPACITY = 1 << 30  # no eviction: every chunk a writer reported must still be there
 KILLS = 12
 # Where kills land: in fsyncs and renames ("fsync"), mid-write ("slow"), both ("slow+fsync").
@@ -56,18 +45,7 @@ def num_tokens_of(index: int) -> int:
     return 1 + (index * 7919) % CHUNK  # partial chunks of every length
 
 
-def key_of(index: int) -> ChunkKey:
-    tokens = [index, *range(num_tokens_of(index) - 1)]  # the first token tells chunks apart
-    return chunk_keys(SCOPE, tokens, CHUNK)[0]
-
-
-def chunk_of(arena: HostArena, index: int) -> MemoryObj:
-    obj = arena.allocate_obj(LAYOUT, num_tokens_of(index))
-    if obj is None:
-        raise RuntimeError("arena full: a chunk was not released")
-    data = bytearray(random.Random(index).randbytes(obj.nbytes))
-    obj.raw().copy_(torch.frombuffer(data, dtype=torch.uint8))
-    return obj
+CHUNKS = IndexedChunks("crash", num_tokens_of)
 
 
 # -- the writer (in the forked process) ---------------------------------------------------------
@@ -91,15 +69,15 @@ async def _write_chunks(root: Path, first: int, mode: str) -> None:
     os.write(1, b"ready\n")
     rng = random.Random(first)
     for index in itertools.count(first):
-        obj = chunk_of(arena, index)
+        obj = CHUNKS.chunk_of(arena, index)
         try:
-            stored = await tier.put(key_of(index), obj)
+            stored = await tier.put(CHUNKS.key_of(index), obj)
         finally:
             obj.unref()
         if stored:
             os.write(1, f"committed {index}\n".encode())  # one write: a kill cannot split it
         if index % 4 == 3:
-            await tier.touch([key_of(rng.randrange(first, index + 1)) for _ in range(3)])
+            await tier.touch([CHUNKS.key_of(rng.randrange(first, index + 1)) for _ in range(3)])
 
 
 def _helper(root: str) -> None:
@@ -139,10 +117,6 @@ def inspect_after_kill(root: Path, report: KillReport) -> None:
             report.temp_files_left += 1
         elif scanned.error is not None:
             report.torn_chunk_files.append(f"{scanned.path.name}: {scanned.error}")
-
-
-def temp_files(root: Path) -> list[Path]:
-    return [path for path in root.rglob("*.tmp") if path.is_file()]
 
 
 def _forward_lines(stream: IO[str], lines: queue.Queue[str]) -> None:
@@ -212,12 +186,12 @@ async def test_sigkilled_writers_leave_only_complete_chunks(tmp_path: Path) -> N
     report = await asyncio.to_thread(_kill_writers, root, random.Random(2026))
     # A writer may have been killed after the rename of the chunk after its last report.
     expected = {
-        key_of(index): index
+        CHUNKS.key_of(index): index
         for first in (kill * WORKER_RANGE for kill in range(KILLS))
         for index in range(first, report.last_committed.get(first, first - 1) + 2)
     }
     committed = {
-        key_of(index)
+        CHUNKS.key_of(index)
         for first, last in report.last_committed.items()
         for index in range(first, last + 1)
     }
@@ -234,22 +208,10 @@ async def test_sigkilled_writers_leave_only_complete_chunks(tmp_path: Path) -> N
         assert temp_files(root) == []
         assert found <= set(expected), "a chunk nobody wrote"
         assert committed <= found, "a chunk reported as stored is gone"
-        chunk_files = [p for p in root.rglob("*") if p.is_file() and p.name != LOCK_NAME]
-        assert len(chunk_files) == len(found)
+        assert len(chunk_files(root)) == len(found)
         for key in found:
-            index = expected[key]
-            want = chunk_of(arena, index)
-            got = arena.allocate_obj(LAYOUT, num_tokens_of(index))
-            assert got is not None
-            try:
-                got.raw().fill_(0xA5)
-                assert await tier.get_into(key, got), index
-                for group in range(len(LAYOUT.groups)):
-                    assert torch.equal(want.group_bytes(group), got.group_bytes(group)), index
-                verified += 1
-            finally:
-                want.unref()
-                got.unref()
+            await CHUNKS.assert_reads_back(tier, arena, key, expected[key])
+            verified += 1
         assert tier.stats().hits == verified
     finally:
         await tier.aclose()

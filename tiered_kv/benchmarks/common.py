@@ -1,5 +1,6 @@
 """What the benchmarks share: the error for "cannot run here", percentiles, the engine's loop,
-the optional plotting library, a bar chart, and a helper process on a free loopback port. No
+the optional plotting library, a bar chart, and a helper process on a free loopback port (and
+how to stop one). No
 benchmark logic here."""
 
 from __future__ import annotations
@@ -144,9 +145,16 @@ def process(
             raise RuntimeError(f"{exc}: {log_path.read_text(errors='replace')[-2000:]}") from None
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM, and SIGKILL if ``proc`` has not exited ``timeout_s`` later; returns once it has."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
