@@ -21,8 +21,12 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 
+from tests.kvfactory import KVCaches
+from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.benchmarks.common import free_port, stop_process
+from tiered_kv.metrics import EngineStats
 from tiered_kv.tiers.remote.server import RemoteCacheServer, ServerOptions
 
 REDIS_URL_ENV = "TIERED_KV_TEST_REDIS_URL"
@@ -218,6 +222,15 @@ def env(**values: str) -> Iterator[None]:
 
 CHUNK = 32
 BLOCK = 16
+# The formats and dtypes an L3 round trip is checked in: K/V pairs, MLA, separate K and V tensors.
+ROUND_TRIP_CASES = [("vllm_nhd", torch.bfloat16), ("mla", torch.int8), ("separate", torch.float16)]
+
+
+def engine_config(**overrides: object) -> EngineConfig:
+    """An engine of `CHUNK`-token chunks and 8 MiB of L1 whose L2, if any, skips fsync."""
+    fields: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l2_fsync": False}
+    fields.update(overrides)
+    return EngineConfig(**fields)  # type: ignore[arg-type]
 
 
 def tokens_for(n: int, seed: int) -> list[int]:
@@ -257,3 +270,13 @@ async def retrieve_bit_exact(
     assert (await engine.retrieve(tokens, dst_blocks)).valid_tokens == n
     expect_copy(caches, expected, reference, src_blocks, dst_blocks, range(n), BLOCK)
     assert caches.bytes_equal(expected)
+
+
+async def round_trip(config: EngineConfig, caches: KVCaches, tokens: list[int]) -> EngineStats:
+    """An engine on ``config`` stores ``tokens`` from blocks 1.., drops L1 (`store_and_drop_l1`)
+    and reads them back bit-exact (`retrieve_bit_exact`); its stats before it closed."""
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        src = await store_and_drop_l1(engine, caches, tokens)
+        await retrieve_bit_exact(engine, caches, tokens, src)
+        return engine.stats()

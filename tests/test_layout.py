@@ -87,18 +87,12 @@ def vllm_nhd() -> Case:
 
 
 def vllm_hnd_permuted_view() -> Case:
-    physical = [filled(2, NB, NH, BS, HS, start=i * 10_000) for i in range(3)]
-    logical = [p.permute(0, 1, 3, 2, 4) for p in physical]  # [2, NB, BS, NH, HS], no copy
-    assert not logical[0].is_contiguous()
-    return Case(
-        logical,
-        {"kv_layout": "HND"},  # names the memory order, not the order of the view's shape
-        "vllm",
-        "HND",
-        StrideDesc(NB, BS, NH, HS, NH * BS * HS, HS, BS * HS),
-        2,
-        [(p[0].permute(0, 2, 1, 3), p[1].permute(0, 2, 1, 3)) for p in physical],
-    )
+    """`vllm_hnd_hint`'s tensors, handed over as views in NHD order: the same memory, strides and
+    expected rows; the hint names the memory order, not the order of the view's shape."""
+    case = vllm_hnd_hint()
+    case.caches = [p.permute(0, 1, 3, 2, 4) for p in case.caches]  # [2, NB, BS, NH, HS], no copy
+    assert not case.caches[0].is_contiguous()
+    return case
 
 
 def vllm_hnd_permuted_view_block_size_hint() -> Case:

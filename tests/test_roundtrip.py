@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.kvfactory import FORMATS, expect_copy, make_caches, poison_blocks
+from tests.kvfactory import FORMATS, KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 
 CHUNK = 32
@@ -107,13 +107,21 @@ async def test_heterogeneous_groups_incl_132_byte_int8_rows(tmp_path: Path) -> N
         assert indexer.bytes_equal(exp_i)
 
 
+async def _store_and_close(
+    tmp_path: Path, caches: KVCaches, tokens: list[int], src: list[int]
+) -> int:
+    """An engine on ``tmp_path``'s L2 stores ``tokens`` from blocks ``src``, then closes (flushing
+    its writes to L2); how many tokens it stored."""
+    async with TieredKVEngine(_config(tmp_path)) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        return await engine.store(tokens, src)
+
+
 async def test_restart_recovers_from_l2(tmp_path: Path) -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, seed=4)
     tokens = _tokens(100, seed=5)
     src, dst = list(range(7)), list(range(8, 15))
-    async with TieredKVEngine(_config(tmp_path)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        assert await engine.store(tokens, src) == 100
+    assert await _store_and_close(tmp_path, caches, tokens, src) == 100
     # A new engine (as after a process restart) finds the chunks on disk.
     reference = caches.snapshot()
     poison_blocks(caches, dst)
@@ -131,9 +139,7 @@ async def test_corrupt_l2_file_is_a_miss_never_wrong_data(tmp_path: Path) -> Non
     caches = make_caches("flashinfer_nhd", torch.float16, num_blocks=16, seed=6)
     tokens = _tokens(96, seed=8)
     src, dst = list(range(6)), list(range(8, 14))
-    async with TieredKVEngine(_config(tmp_path)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        await engine.store(tokens, src)
+    await _store_and_close(tmp_path, caches, tokens, src)
     files = sorted(p for p in (tmp_path / "l2").rglob("*") if p.is_file() and p.name != ".lock")
     assert len(files) == 3
     # Flip one payload byte in the second chunk's file (its key is the 2nd in the prefix chain).

@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -93,6 +93,17 @@ def file_size(key: ChunkKey, num_tokens: int = CHUNK) -> int:
     return encoded_header_len(len(key.to_bytes()), specs) + LAYOUT.payload_nbytes(num_tokens)
 
 
+async def store_and_close(root: Path, chunks: Iterable[tuple[ChunkKey, MemoryObj]]) -> None:
+    """A tier on ``root`` stores every chunk, then closes: what a process leaves for a restart."""
+    tier = DiskTier(root, BIG)
+    await tier.open()
+    try:
+        for key, obj in chunks:
+            assert await tier.put(key, obj)
+    finally:
+        await tier.aclose()
+
+
 def path_of(root: Path, key: ChunkKey) -> Path:
     return root / key.hex[:2] / key.hex
 
@@ -118,6 +129,27 @@ def arena() -> Iterator[HostArena]:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return tmp_path / "l2"
+
+
+@pytest.fixture
+def key() -> ChunkKey:
+    return make_keys(1)[0]
+
+
+@pytest.fixture
+def source(arena: HostArena) -> Iterator[MemoryObj]:
+    """A full chunk of random bytes, released after the test."""
+    obj = make_obj(arena)
+    yield obj
+    obj.unref()
+
+
+@pytest.fixture
+def target(arena: HostArena) -> Iterator[MemoryObj]:
+    """A full chunk of poison to read into, released after the test."""
+    obj = poisoned_obj(arena)
+    yield obj
+    obj.unref()
 
 
 @pytest.fixture
@@ -174,35 +206,27 @@ async def test_partial_last_chunk_of_a_prompt(tier: DiskTier, arena: HostArena) 
             obj.unref()
 
 
-async def test_file_is_a_codec_frame(tier: DiskTier, arena: HostArena, root: Path) -> None:
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
-    try:
-        assert await tier.put(key, obj)
-        header, payloads = decode_chunk(path_of(root, key).read_bytes())
-        assert header.key_bytes == key.to_bytes()
-        assert header.num_tokens == CHUNK
-        assert header.groups == obj.group_specs()
-        assert header.groups[1] == GroupSpec("int8", (1, 1, CHUNK, 132))
-        assert [bytes(p) for p in payloads] == [bytes(b) for b in obj.group_buffers()]
-    finally:
-        obj.unref()
+async def test_file_is_a_codec_frame(
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, root: Path
+) -> None:
+    assert await tier.put(key, source)
+    header, payloads = decode_chunk(path_of(root, key).read_bytes())
+    assert header.key_bytes == key.to_bytes()
+    assert header.num_tokens == CHUNK
+    assert header.groups == source.group_specs()
+    assert header.groups[1] == GroupSpec("int8", (1, 1, CHUNK, 132))
+    assert [bytes(p) for p in payloads] == [bytes(b) for b in source.group_buffers()]
 
 
 async def test_payload_is_page_aligned_in_the_file(
-    tier: DiskTier, arena: HostArena, root: Path
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, root: Path
 ) -> None:
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
-    try:
-        assert await tier.put(key, obj)
-        data = path_of(root, key).read_bytes()
-        header = decode_header(data)
-        assert header.header_len % PAYLOAD_ALIGN == 0
-        first = bytes(obj.group_buffers()[0])
-        assert data[header.header_len : header.header_len + len(first)] == first
-    finally:
-        obj.unref()
+    assert await tier.put(key, source)
+    data = path_of(root, key).read_bytes()
+    header = decode_header(data)
+    assert header.header_len % PAYLOAD_ALIGN == 0
+    first = bytes(source.group_buffers()[0])
+    assert data[header.header_len : header.header_len + len(first)] == first
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 100, 2048, 4096])
@@ -246,63 +270,48 @@ async def test_sliced_reads_and_payload_first_writes_are_bit_exact(
 
 
 async def test_put_beyond_the_codec_limits_fails_without_a_file(
-    root: Path, arena: HostArena
+    root: Path, key: ChunkKey, source: MemoryObj
 ) -> None:
     tier = DiskTier(root, BIG, limits=CodecLimits(max_key_bytes=8))
     await tier.open()
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
     try:
-        assert not await tier.put(key, obj)
+        assert not await tier.put(key, source)
         assert files_under(root) == []
         assert tier.stats().put_failures == 1
         assert tier.stats().bytes_reserved == 0
     finally:
-        obj.unref()
         await tier.aclose()
 
 
 async def test_put_of_a_present_key_does_not_rewrite(
-    tier: DiskTier, arena: HostArena, root: Path
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, root: Path
 ) -> None:
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
-    try:
-        assert await tier.put(key, obj)
-        inode = path_of(root, key).stat().st_ino
-        assert await tier.put(key, obj)
-        assert path_of(root, key).stat().st_ino == inode
-        assert tier.stats().puts == 1
-    finally:
-        obj.unref()
+    assert await tier.put(key, source)
+    inode = path_of(root, key).stat().st_ino
+    assert await tier.put(key, source)
+    assert path_of(root, key).stat().st_ino == inode
+    assert tier.stats().puts == 1
 
 
 async def test_concurrent_puts_of_one_key_write_once(
-    tier: DiskTier, arena: HostArena, root: Path
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, root: Path
 ) -> None:
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
-    try:
-        assert await asyncio.gather(*(tier.put(key, obj) for _ in range(4))) == [True] * 4
-        assert tier.stats().puts == 1
-        assert tier.stats().bytes_used == file_size(key)
-        assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
-    finally:
-        obj.unref()
+    assert await asyncio.gather(*(tier.put(key, source) for _ in range(4))) == [True] * 4
+    assert tier.stats().puts == 1
+    assert tier.stats().bytes_used == file_size(key)
+    assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
 
 
-async def test_without_fsync(root: Path, arena: HostArena) -> None:
+async def test_without_fsync(
+    root: Path, key: ChunkKey, source: MemoryObj, target: MemoryObj
+) -> None:
     tier = DiskTier(root, BIG, fsync=False)
     await tier.open()
-    key = make_keys(1)[0]
-    source, target = make_obj(arena), poisoned_obj(arena)
     try:
         assert await tier.put(key, source)
         assert await tier.get_into(key, target)
         assert same_groups(source, target)
     finally:
-        source.unref()
-        target.unref()
         await tier.aclose()
 
 
@@ -310,13 +319,7 @@ async def test_without_fsync(root: Path, arena: HostArena) -> None:
 async def test_restart_reuses_the_directory(root: Path, arena: HostArena) -> None:
     keys = make_keys(3)
     sources = [make_obj(arena, seed=i) for i in range(3)]
-    first = DiskTier(root, BIG)
-    await first.open()
-    try:
-        for key, obj in zip(keys, sources, strict=True):
-            assert await first.put(key, obj)
-    finally:
-        await first.aclose()
+    await store_and_close(root, zip(keys, sources, strict=True))
 
     second = DiskTier(root, BIG)
     await second.open()
@@ -335,16 +338,9 @@ async def test_restart_reuses_the_directory(root: Path, arena: HostArena) -> Non
         await second.aclose()
 
 
-async def test_restart_orders_lru_by_mtime(root: Path, arena: HostArena) -> None:
+async def test_restart_orders_lru_by_mtime(root: Path, source: MemoryObj) -> None:
     keys = make_keys(3)
-    obj = make_obj(arena)
-    first = DiskTier(root, BIG)
-    await first.open()
-    try:
-        for key in keys:
-            assert await first.put(key, obj)
-    finally:
-        await first.aclose()
+    await store_and_close(root, ((key, source) for key in keys))
     # Oldest first: keys[2], keys[0], keys[1].
     for key, mtime in zip(keys, (2_000, 3_000, 1_000), strict=True):
         os.utime(path_of(root, key), ns=(mtime * 10**9, mtime * 10**9))
@@ -356,71 +352,50 @@ async def test_restart_orders_lru_by_mtime(root: Path, arena: HostArena) -> None
         assert not (path_of(root, keys[2])).exists()
         assert second.stats().evictions == 1
     finally:
-        obj.unref()
         await second.aclose()
 
 
 # -- corruption ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["header", "payload_start", "payload_end"])
 async def test_corrupt_file_is_a_miss_and_removed(
-    tier: DiskTier, arena: HostArena, root: Path, where: str
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, target: MemoryObj, root: Path, where: str
 ) -> None:
-    key = make_keys(1)[0]
-    source, target = make_obj(arena), poisoned_obj(arena)
-    try:
-        assert await tier.put(key, source)
-        path = path_of(root, key)
-        data = bytearray(path.read_bytes())
-        header_len = file_size(key) - LAYOUT.payload_nbytes(CHUNK)
-        offset = {"header": 30, "payload_start": header_len, "payload_end": len(data) - 1}[where]
-        data[offset] ^= 0x01
-        path.write_bytes(bytes(data))
+    assert await tier.put(key, source)
+    path = path_of(root, key)
+    data = bytearray(path.read_bytes())
+    header_len = file_size(key) - LAYOUT.payload_nbytes(CHUNK)
+    offset = {"header": 30, "payload_start": header_len, "payload_end": len(data) - 1}[where]
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
 
-        assert not await tier.get_into(key, target)
-        assert not path.exists()
-        assert not tier.contains(key)
-        stats = tier.stats()
-        assert stats.corrupt_removed == 1
-        assert stats.misses == 1
-        assert stats.entries == stats.bytes_used == 0
-        # Stored again, it is served again.
-        assert await tier.put(key, source)
-        assert await tier.get_into(key, target)
-        assert same_groups(source, target)
-    finally:
-        source.unref()
-        target.unref()
+    assert not await tier.get_into(key, target)
+    assert not path.exists()
+    assert not tier.contains(key)
+    stats = tier.stats()
+    assert stats.corrupt_removed == 1
+    assert stats.misses == 1
+    assert stats.entries == stats.bytes_used == 0
+    # Stored again, it is served again.
+    assert await tier.put(key, source)
+    assert await tier.get_into(key, target)
+    assert same_groups(source, target)
 
 
 async def test_truncated_file_is_removed_at_read(
-    tier: DiskTier, arena: HostArena, root: Path
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, target: MemoryObj, root: Path
 ) -> None:
-    key = make_keys(1)[0]
-    source, target = make_obj(arena), poisoned_obj(arena)
-    try:
-        assert await tier.put(key, source)
-        os.truncate(path_of(root, key), file_size(key) - 100)
-        assert not await tier.get_into(key, target)
-        assert not path_of(root, key).exists()
-        assert tier.stats().corrupt_removed == 1
-    finally:
-        source.unref()
-        target.unref()
+    assert await tier.put(key, source)
+    os.truncate(path_of(root, key), file_size(key) - 100)
+    assert not await tier.get_into(key, target)
+    assert not path_of(root, key).exists()
+    assert tier.stats().corrupt_removed == 1
 
 
 async def test_open_removes_torn_garbage_misnamed_and_temp_files(
-    root: Path, arena: HostArena
+    root: Path, source: MemoryObj
 ) -> None:
     keys = make_keys(3)
-    obj = make_obj(arena)
-    first = DiskTier(root, BIG)
-    await first.open()
-    try:
-        for key in keys:
-            assert await first.put(key, obj)
-    finally:
-        obj.unref()
-        await first.aclose()
+    await store_and_close(root, ((key, source) for key in keys))
     good, torn, moved = keys
     os.truncate(path_of(root, torn), 50)
     misnamed = root / moved.hex[:2] / ("0" * len(moved.hex))
@@ -460,21 +435,15 @@ async def test_file_replaced_with_another_layout_is_kept(
 
 
 async def test_file_deleted_behind_our_back_is_a_miss(
-    tier: DiskTier, arena: HostArena, root: Path
+    tier: DiskTier, key: ChunkKey, source: MemoryObj, target: MemoryObj, root: Path
 ) -> None:
-    key = make_keys(1)[0]
-    source, target = make_obj(arena), poisoned_obj(arena)
-    try:
-        assert await tier.put(key, source)
-        path_of(root, key).unlink()
-        assert tier.contains(key)  # the index is stale only towards a later miss
-        assert not await tier.get_into(key, target)
-        assert not tier.contains(key)
-        assert tier.stats().bytes_used == 0
-        assert tier.stats().misses == 1
-    finally:
-        source.unref()
-        target.unref()
+    assert await tier.put(key, source)
+    path_of(root, key).unlink()
+    assert tier.contains(key)  # the index is stale only towards a later miss
+    assert not await tier.get_into(key, target)
+    assert not tier.contains(key)
+    assert tier.stats().bytes_used == 0
+    assert tier.stats().misses == 1
 
 
 # -- layout -------------------------------------------------------------------------------------
@@ -529,32 +498,26 @@ async def test_capacity_evicts_least_recently_used(root: Path, arena: HostArena)
         await tier.aclose()
 
 
-async def test_chunk_larger_than_capacity_is_refused(root: Path, arena: HostArena) -> None:
-    key = make_keys(1)[0]
+async def test_chunk_larger_than_capacity_is_refused(
+    root: Path, key: ChunkKey, source: MemoryObj
+) -> None:
     tier = DiskTier(root, file_size(key) - 1)
     await tier.open()
-    obj = make_obj(arena)
     try:
-        assert not await tier.put(key, obj)
+        assert not await tier.put(key, source)
         assert tier.stats().put_refused == 1
         assert files_under(root) == []
     finally:
-        obj.unref()
         await tier.aclose()
 
 
-async def test_remove(tier: DiskTier, arena: HostArena, root: Path) -> None:
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
-    try:
-        assert await tier.put(key, obj)
-        assert await tier.remove(key)
-        assert not tier.contains(key)
-        assert not path_of(root, key).exists()
-        assert not await tier.remove(key)
-        assert tier.stats().bytes_used == 0
-    finally:
-        obj.unref()
+async def test_remove(tier: DiskTier, key: ChunkKey, source: MemoryObj, root: Path) -> None:
+    assert await tier.put(key, source)
+    assert await tier.remove(key)
+    assert not tier.contains(key)
+    assert not path_of(root, key).exists()
+    assert not await tier.remove(key)
+    assert tier.stats().bytes_used == 0
 
 
 # -- the directory lock -------------------------------------------------------------------------
@@ -587,7 +550,8 @@ async def test_use_outside_open_raises(root: Path, arena: HostArena) -> None:
 # -- faults and cancellation --------------------------------------------------------------------
 @pytest.mark.parametrize("failing_call", [1, 3, 4])
 async def test_put_failure_leaves_nothing(
-    arena: HostArena,
+    key: ChunkKey,
+    source: MemoryObj,
     root: Path,
     caplog: pytest.LogCaptureFixture,
     failing_call: int,
@@ -607,11 +571,9 @@ async def test_put_failure_leaves_nothing(
     file_ops = FailingWrites()
     tier = DiskTier(root, BIG, file_ops=file_ops)
     await tier.open()
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
     try:
         with caplog.at_level(logging.WARNING, logger=l2.__name__):
-            assert not await tier.put(key, obj)
+            assert not await tier.put(key, source)
         assert files_under(root) == []
         assert not tier.contains(key)
         stats = tier.stats()
@@ -621,13 +583,14 @@ async def test_put_failure_leaves_nothing(
         assert failure and failure[0].exc_info and failure[0].exc_info[0] is OSError
 
         file_ops.failing = False
-        assert await tier.put(key, obj)
+        assert await tier.put(key, source)
     finally:
-        obj.unref()
         await tier.aclose()
 
 
-async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Path) -> None:
+async def test_put_cancelled_mid_write_leaves_nothing(
+    key: ChunkKey, source: MemoryObj, root: Path
+) -> None:
     started, release = threading.Event(), threading.Event()
 
     class SlowWrites(FileOps):
@@ -645,15 +608,13 @@ async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Pa
     file_ops = SlowWrites()
     tier = DiskTier(root, BIG, file_ops=file_ops)
     await tier.open()
-    key = make_keys(1)[0]
-    obj = make_obj(arena)
     try:
-        task = asyncio.create_task(tier.put(key, obj))
+        task = asyncio.create_task(tier.put(key, source))
         assert await asyncio.to_thread(started.wait, 10)
         assert [name for name in files_under(root) if name.endswith(".tmp")]
         task.cancel()
         await asyncio.sleep(0.05)
-        assert not task.done()  # the thread still reads obj's bytes: put must not return yet
+        assert not task.done()  # the thread still reads source's bytes: put must not return yet
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -664,9 +625,8 @@ async def test_put_cancelled_mid_write_leaves_nothing(arena: HostArena, root: Pa
         assert tier.stats().put_failures == 0
 
         file_ops.slow = False
-        assert await tier.put(key, obj)
+        assert await tier.put(key, source)
     finally:
-        obj.unref()
         await tier.aclose()
 
 
@@ -702,11 +662,14 @@ async def faulty_tier(root: Path) -> AsyncIterator[tuple[DiskTier, FaultyFileOps
 
 
 async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
-    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
+    faulty_tier: tuple[DiskTier, FaultyFileOps],
+    key: ChunkKey,
+    source: MemoryObj,
+    target: MemoryObj,
+    root: Path,
 ) -> None:
     tier, file_ops = faulty_tier
     started, release = threading.Event(), threading.Event()
-    key = make_keys(1)[0]
 
     def slow_fsync_dir(directory: Path) -> None:
         if directory == path_of(root, key).parent:  # after the rename, not the new shard's
@@ -714,29 +677,27 @@ async def test_put_cancelled_after_the_rename_keeps_a_complete_chunk(
             release.wait(10)
 
     file_ops.on_fsync_directory = slow_fsync_dir
-    source, target = make_obj(arena), poisoned_obj(arena)
-    try:
-        task = asyncio.create_task(tier.put(key, source))
-        assert await asyncio.to_thread(started.wait, 10)
-        task.cancel()
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert tier.contains(key)
-        assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
-        assert await tier.get_into(key, target)
-        assert same_groups(source, target)
-    finally:
-        source.unref()
-        target.unref()
+    task = asyncio.create_task(tier.put(key, source))
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert tier.contains(key)
+    assert files_under(root) == [f"{key.hex[:2]}/{key.hex}"]
+    assert await tier.get_into(key, target)
+    assert same_groups(source, target)
 
 
 @pytest.mark.parametrize("failing", ["root", "shard"])
 async def test_failed_directory_fsync_unpublishes_the_file(
-    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path, failing: str
+    faulty_tier: tuple[DiskTier, FaultyFileOps],
+    key: ChunkKey,
+    source: MemoryObj,
+    root: Path,
+    failing: str,
 ) -> None:
     tier, file_ops = faulty_tier
-    key = make_keys(1)[0]
     failing_dir = {"root": root, "shard": path_of(root, key).parent}[failing]
 
     def failing_fsync_dir(directory: Path) -> None:
@@ -744,40 +705,31 @@ async def test_failed_directory_fsync_unpublishes_the_file(
             raise OSError(errno.EIO, "Input/output error")
 
     file_ops.on_fsync_directory = failing_fsync_dir
-    obj = make_obj(arena)
-    try:
-        assert not await tier.put(key, obj)
-        assert files_under(root) == []
-        assert not tier.contains(key)
-        assert tier.stats().put_failures == 1
-        # A shard directory whose entry may not be durable is not kept for the next put.
-        assert path_of(root, key).parent.exists() == (failing == "shard")
-    finally:
-        obj.unref()
+    assert not await tier.put(key, source)
+    assert files_under(root) == []
+    assert not tier.contains(key)
+    assert tier.stats().put_failures == 1
+    # A shard directory whose entry may not be durable is not kept for the next put.
+    assert path_of(root, key).parent.exists() == (failing == "shard")
 
 
 async def test_a_new_shard_directory_is_made_durable_once(
-    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
+    faulty_tier: tuple[DiskTier, FaultyFileOps], key: ChunkKey, source: MemoryObj, root: Path
 ) -> None:
     tier, file_ops = faulty_tier
     synced: list[Path] = []
     file_ops.on_fsync_directory = synced.append
-    key = make_keys(1)[0]
     shard = path_of(root, key).parent
-    obj = make_obj(arena)
-    try:
-        assert await tier.put(key, obj)
-        assert synced == [root, shard]  # the new shard's entry, then the chunk's rename
-        assert await tier.remove(key)
-        synced.clear()
-        assert await tier.put(key, obj)
-        assert synced == [shard]
-    finally:
-        obj.unref()
+    assert await tier.put(key, source)
+    assert synced == [root, shard]  # the new shard's entry, then the chunk's rename
+    assert await tier.remove(key)
+    synced.clear()
+    assert await tier.put(key, source)
+    assert synced == [shard]
 
 
 async def test_get_cancelled_mid_read_waits_for_the_thread(
-    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena
+    faulty_tier: tuple[DiskTier, FaultyFileOps], key: ChunkKey, source: MemoryObj, target: MemoryObj
 ) -> None:
     tier, file_ops = faulty_tier
     started, release = threading.Event(), threading.Event()
@@ -789,49 +741,41 @@ async def test_get_cancelled_mid_read_waits_for_the_thread(
         started.set()
         release.wait(10)
 
-    key = make_keys(1)[0]
-    source, target = make_obj(arena), poisoned_obj(arena)
-    try:
-        assert await tier.put(key, source)
-        file_ops.on_readinto = slow_readinto
-        task = asyncio.create_task(tier.get_into(key, target))
-        assert await asyncio.to_thread(started.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.05)
-        assert not task.done()  # the thread still writes into target: no return yet
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert calls == 1  # stopped before the next slice
-        assert tier.contains(key)  # a cancelled read is not corruption
-        file_ops.on_readinto = None
-        assert await tier.get_into(key, target)
-        assert same_groups(source, target)
-    finally:
-        source.unref()
-        target.unref()
+    assert await tier.put(key, source)
+    file_ops.on_readinto = slow_readinto
+    task = asyncio.create_task(tier.get_into(key, target))
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # the thread still writes into target: no return yet
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert calls == 1  # stopped before the next slice
+    assert tier.contains(key)  # a cancelled read is not corruption
+    file_ops.on_readinto = None
+    assert await tier.get_into(key, target)
+    assert same_groups(source, target)
 
 
 async def test_read_error_is_a_miss_and_keeps_the_file(
-    faulty_tier: tuple[DiskTier, FaultyFileOps], arena: HostArena, root: Path
+    faulty_tier: tuple[DiskTier, FaultyFileOps],
+    key: ChunkKey,
+    source: MemoryObj,
+    target: MemoryObj,
+    root: Path,
 ) -> None:
     tier, file_ops = faulty_tier
 
     def failing_readinto() -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    key = make_keys(1)[0]
-    source, target = make_obj(arena), poisoned_obj(arena)
-    try:
-        assert await tier.put(key, source)
-        file_ops.on_readinto = failing_readinto
-        assert not await tier.get_into(key, target)
-        assert tier.contains(key)
-        assert path_of(root, key).exists()
-        assert tier.stats().read_failures == 1
-    finally:
-        source.unref()
-        target.unref()
+    assert await tier.put(key, source)
+    file_ops.on_readinto = failing_readinto
+    assert not await tier.get_into(key, target)
+    assert tier.contains(key)
+    assert path_of(root, key).exists()
+    assert tier.stats().read_failures == 1
 
 
 # -- a full disk, a removed directory ------------------------------------------------------------

@@ -26,7 +26,10 @@ from tests.mooncake_fixtures import (  # noqa: F401
 from tests.remote_fixtures import (
     BLOCK,
     CHUNK,
+    ROUND_TRIP_CASES,
+    engine_config,
     retrieve_bit_exact,
+    round_trip,
     store_and_drop_l1,
     tokens_for,
 )
@@ -45,20 +48,11 @@ from tiered_kv.tiers.remote.mooncake_store import MooncakeConnector
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _config(url: str, **kw: object) -> EngineConfig:
-    base: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l3_url": url}
-    base.update(kw)
-    return EngineConfig(**base)  # type: ignore[arg-type]
-
-
 def _mooncake_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("tkv-mooncake")]
 
 
-@pytest.mark.parametrize(
-    ("fmt", "dtype"),
-    [("vllm_nhd", torch.bfloat16), ("mla", torch.int8), ("separate", torch.float16)],
-)
+@pytest.mark.parametrize(("fmt", "dtype"), ROUND_TRIP_CASES)
 async def test_engine_round_trips_bit_exact_through_mooncake(
     mooncake_master: MooncakeMaster,  # noqa: F811
     fmt: str,
@@ -66,16 +60,13 @@ async def test_engine_round_trips_bit_exact_through_mooncake(
 ) -> None:
     caches = make_caches(fmt, dtype, num_blocks=24, block_size=BLOCK)
     tokens = tokens_for(3 * CHUNK + 5, seed=11)  # three full chunks and a partial one
-    async with TieredKVEngine(_config(mooncake_master.url())) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        src = await store_and_drop_l1(engine, caches, tokens)
-        await retrieve_bit_exact(engine, caches, tokens, src)
-        stats = engine.stats().tier("L3")
-        assert stats.puts == 4 and stats.put_failures == 0
-        assert stats.hits == 4 and stats.corrupt == 0
-        assert stats.client["setups"] == 1
-        # The L1 arena was registered once, beside the header slab.
-        assert stats.client["registered_regions"] == 1
+    config = engine_config(l3_url=mooncake_master.url())
+    stats = (await round_trip(config, caches, tokens)).tier("L3")
+    assert stats.puts == 4 and stats.put_failures == 0
+    assert stats.hits == 4 and stats.corrupt == 0
+    assert stats.client["setups"] == 1
+    # The L1 arena was registered once, beside the header slab.
+    assert stats.client["registered_regions"] == 1
     assert _mooncake_threads() == []  # aclose joined the connector's threads
 
 
@@ -96,7 +87,7 @@ def _tier_and_objs(
         head_size=head_size,
     )
     layout = build_layout(caches.entries, chunk_size=chunk_size, layout_hints=caches.hints)
-    tier = remote_tier(_config(master.url(segment=segment), l3_timeout_s=5.0))
+    tier = remote_tier(engine_config(l3_url=master.url(segment=segment), l3_timeout_s=5.0))
     arena = HostArena(48 << 20, pin=False)
     scope = KeyScope("t", "m", "", 1, 0, layout.layout_desc.layout_id)
     return tier, arena, layout.layout_desc, scope
@@ -183,11 +174,16 @@ async def test_a_put_refused_for_space_is_a_counted_dropped_write(
 
 
 class _Writer:
-    """`tests.tiers.mooncake_writer` in its own process."""
+    """`tests.tiers.mooncake_writer` in its own process, storing ``seed``'s tokens (three full
+    chunks and a partial one) from blocks 1..; ``caches`` are a reader's copy of its caches."""
 
-    def __init__(self, url: str, seed: int, num_tokens: int) -> None:
+    def __init__(self, url: str, seed: int) -> None:
+        self.tokens = tokens_for(3 * CHUNK + 5, seed=seed)
+        self.caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=seed)
+        self.src_blocks = list(range(1, 1 + -(-len(self.tokens) // BLOCK)))
+        num_tokens = str(len(self.tokens))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.tiers.mooncake_writer", url, str(seed), str(num_tokens)],
+            [sys.executable, "-m", "tests.tiers.mooncake_writer", url, str(seed), num_tokens],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -223,8 +219,8 @@ def writer_of() -> Iterator[type[_Writer]]:
     writers: list[_Writer] = []
 
     class Tracked(_Writer):
-        def __init__(self, url: str, seed: int, num_tokens: int) -> None:
-            super().__init__(url, seed, num_tokens)
+        def __init__(self, url: str, seed: int) -> None:
+            super().__init__(url, seed)
             writers.append(self)
 
     yield Tracked
@@ -236,13 +232,11 @@ async def test_two_engines_in_two_processes_share_chunks(
     mooncake_master: MooncakeMaster,  # noqa: F811
     writer_of: type[_Writer],
 ) -> None:
-    tokens = tokens_for(3 * CHUNK + 5, seed=21)
-    writer = writer_of(mooncake_master.url(), 21, len(tokens))
+    writer = writer_of(mooncake_master.url(), 21)
     assert writer.wait_stored() == (4, 0)
+    tokens, caches, src = writer.tokens, writer.caches, writer.src_blocks
     # This engine lends no segment: every chunk it reads lies in the writer's.
-    caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=21)
-    src = list(range(1, 1 + -(-len(tokens) // BLOCK)))  # where the writer's caches held them
-    async with TieredKVEngine(_config(mooncake_master.url(segment="0"))) as engine:
+    async with TieredKVEngine(engine_config(l3_url=mooncake_master.url(segment="0"))) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats().tier("L3").hits == 4
@@ -253,12 +247,11 @@ async def test_a_killed_writer_costs_misses_never_wrong_data(
     mooncake_master: MooncakeMaster,  # noqa: F811
     writer_of: type[_Writer],
 ) -> None:
-    tokens = tokens_for(3 * CHUNK + 5, seed=22)
-    writer = writer_of(mooncake_master.url(), 22, len(tokens))
+    writer = writer_of(mooncake_master.url(), 22)
     assert writer.wait_stored() == (4, 0)
-    caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=22)
+    tokens, caches = writer.tokens, writer.caches
     timeout_s = 1.0
-    config = _config(mooncake_master.url(segment="0"), l3_timeout_s=timeout_s)
+    config = engine_config(l3_url=mooncake_master.url(segment="0"), l3_timeout_s=timeout_s)
     engine = TieredKVEngine(config)
     async with engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
@@ -289,13 +282,11 @@ async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(
     a writer killed then costs the others nothing (docs/remote.md, "Mooncake Store")."""
     node = mooncake_master.start_pool_node("64MB")
     try:
-        tokens = tokens_for(3 * CHUNK + 5, seed=23)
-        writer = writer_of(mooncake_master.url(segment="0"), 23, len(tokens))
+        writer = writer_of(mooncake_master.url(segment="0"), 23)
         assert writer.wait_stored() == (4, 0)
         writer.kill()
-        caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=23)
-        src = list(range(1, 1 + -(-len(tokens) // BLOCK)))
-        config = _config(mooncake_master.url(segment="0"), l3_timeout_s=5.0)
+        tokens, caches, src = writer.tokens, writer.caches, writer.src_blocks
+        config = engine_config(l3_url=mooncake_master.url(segment="0"), l3_timeout_s=5.0)
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             await retrieve_bit_exact(engine, caches, tokens, src)
@@ -316,13 +307,11 @@ async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
     master.start()
     node = master.start_pool_node("64MB")
     try:
-        tokens = tokens_for(3 * CHUNK + 5, seed=24)
-        writer = writer_of(master.url(replicas="2"), 24, len(tokens))
+        writer = writer_of(master.url(replicas="2"), 24)
         assert writer.wait_stored() == (4, 0)
         writer.kill()
-        caches = make_caches(*FORMAT, num_blocks=24, block_size=BLOCK, seed=24)
-        src = list(range(1, 1 + -(-len(tokens) // BLOCK)))
-        config = _config(master.url(segment="0"), l3_timeout_s=1.0)
+        tokens, caches, src = writer.tokens, writer.caches, writer.src_blocks
+        config = engine_config(l3_url=master.url(segment="0"), l3_timeout_s=1.0)
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             deadline = time.monotonic() + 30
@@ -345,7 +334,9 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
     timeout_s = 1.0
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
     tokens = tokens_for(4 * CHUNK, seed=31)
-    config = _config(mooncake_master.url(), l3_timeout_s=timeout_s, prefetch_policy="timeout")
+    config = engine_config(
+        l3_url=mooncake_master.url(), l3_timeout_s=timeout_s, prefetch_policy="timeout"
+    )
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)

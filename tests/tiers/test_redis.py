@@ -16,6 +16,7 @@ from tests.kvfactory import make_caches
 from tests.remote_fixtures import (  # noqa: F401
     BLOCK,
     CHUNK,
+    engine_config,
     free_port,
     key_prefix,
     redis_cluster_url,
@@ -24,18 +25,12 @@ from tests.remote_fixtures import (  # noqa: F401
     store_and_drop_l1,
     tokens_for,
 )
-from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv import TieredKVEngine
 from tiered_kv.codec import GroupSpec, PayloadHasher, encode_chunk
 from tiered_kv.keys import KeyScope, chunk_keys
 from tiered_kv.tiers.l3_remote import RemoteTier
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink
 from tiered_kv.tiers.remote.redis import RedisConnector, redis_key_name
-
-
-def _config(**kw: object) -> EngineConfig:
-    base: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l2_fsync": False}
-    base.update(kw)
-    return EngineConfig(**base)  # type: ignore[arg-type]
 
 
 async def _keys(url: str, pattern: str) -> list[bytes]:
@@ -53,7 +48,7 @@ async def test_engine_round_trip_through_redis(
 ) -> None:
     caches = make_caches("flashinfer_hnd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
     tokens = tokens_for(3 * CHUNK + 5, seed=11)
-    config = _config(
+    config = engine_config(
         l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=redis_url, l3_key_prefix=key_prefix
     )
     async with TieredKVEngine(config) as engine:
@@ -67,7 +62,7 @@ async def test_engine_round_trip_through_redis(
     assert len(names) == 4
     assert all(name.startswith(f"{key_prefix}::".encode()) for name in names)  # namespace ""
     # L3 only, a new process: everything from Redis.
-    async with TieredKVEngine(_config(l3_url=redis_url, l3_key_prefix=key_prefix)) as engine:
+    async with TieredKVEngine(engine_config(l3_url=redis_url, l3_key_prefix=key_prefix)) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats().tier("L3").hits == 4
@@ -80,10 +75,10 @@ async def test_tenants_are_separate_key_spaces(
     caches = make_caches("vllm_nhd", torch.float16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=12)
     shared = {"l3_url": redis_url, "l3_key_prefix": key_prefix}
-    async with TieredKVEngine(_config(namespace="alice/{x}", **shared)) as engine:
+    async with TieredKVEngine(engine_config(namespace="alice/{x}", **shared)) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
-    async with TieredKVEngine(_config(namespace="bob", **shared)) as engine:
+    async with TieredKVEngine(engine_config(namespace="bob", **shared)) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 0
     names = await _keys(redis_url, f"{key_prefix}:*")
@@ -91,7 +86,7 @@ async def test_tenants_are_separate_key_spaces(
     assert len(names) == 2
     assert all(name.startswith(f"{key_prefix}:{quoted}:".encode()) for name in names)
     assert all(b"{" not in name for name in names)  # no hash tag sneaks in
-    async with TieredKVEngine(_config(namespace="alice/{x}", **shared)) as engine:
+    async with TieredKVEngine(engine_config(namespace="alice/{x}", **shared)) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
 
@@ -102,7 +97,7 @@ async def test_corrupt_value_is_a_miss_and_removed_and_ttl_applies(
 ) -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(32, seed=13)
-    config = _config(l3_url=redis_url, l3_key_prefix=key_prefix, l3_ttl_s=60)
+    config = engine_config(l3_url=redis_url, l3_key_prefix=key_prefix, l3_ttl_s=60)
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await store_and_drop_l1(engine, caches, tokens)
@@ -133,7 +128,7 @@ async def test_redis_down_is_only_misses() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=14)
     tier = RemoteTier(connector, timeout_s=0.5)
-    async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+    async with TieredKVEngine(engine_config(), lower_tiers=[tier]) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await store_and_drop_l1(engine, caches, tokens)
         assert await engine.lookup(tokens) == 0
@@ -148,7 +143,7 @@ async def test_cluster_routes_keys_across_slots(
 ) -> None:
     caches = make_caches("separate", torch.bfloat16, num_blocks=50, block_size=BLOCK)
     tokens = tokens_for(12 * CHUNK, seed=15)
-    config = _config(l3_url=redis_cluster_url, l3_key_prefix=key_prefix)
+    config = engine_config(l3_url=redis_cluster_url, l3_key_prefix=key_prefix)
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)

@@ -13,13 +13,16 @@ from tests.kvfactory import make_caches
 from tests.remote_fixtures import (  # noqa: F401
     BLOCK,
     CHUNK,
+    ROUND_TRIP_CASES,
+    engine_config,
     free_port,
     retrieve_bit_exact,
+    round_trip,
     store_and_drop_l1,
     tkv_server,
     tokens_for,
 )
-from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv import TieredKVEngine
 from tiered_kv.codec import GroupSpec, decode_chunk, encode_chunk
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import chunk_keys
@@ -31,22 +34,13 @@ from tiered_kv.tiers.remote.client import ClientOptions, RemoteClient, TkvConnec
 from tiered_kv.tiers.remote.server import RemoteCacheServer, ServerOptions
 
 
-def _config(**kw: object) -> EngineConfig:
-    base: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l2_fsync": False}
-    base.update(kw)
-    return EngineConfig(**base)  # type: ignore[arg-type]
-
-
 def _tier(port: int, *, timeout_s: float = 2.0, token: bytes | None = None) -> RemoteTier:
     options = ClientOptions(timeout_s=timeout_s, backoff_initial_s=0.02, backoff_max_s=0.1)
     client = RemoteClient("127.0.0.1", port, token=token, options=options)
     return RemoteTier(TkvConnector(client), timeout_s=timeout_s)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "dtype"),
-    [("vllm_nhd", torch.bfloat16), ("mla", torch.int8), ("separate", torch.float16)],
-)
+@pytest.mark.parametrize(("fmt", "dtype"), ROUND_TRIP_CASES)
 async def test_engine_with_l3_only_round_trips_bit_exact(
     tkv_server: RemoteCacheServer,  # noqa: F811
     fmt: str,
@@ -54,14 +48,10 @@ async def test_engine_with_l3_only_round_trips_bit_exact(
 ) -> None:
     caches = make_caches(fmt, dtype, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(80, seed=1)  # two full chunks and a partial one of 16 tokens
-    async with TieredKVEngine(_config(l3_url=tkv_server.url)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        src = await store_and_drop_l1(engine, caches, tokens)
-        await retrieve_bit_exact(engine, caches, tokens, src)
-        stats = engine.stats()
-        assert stats.tier("L3").puts == 3
-        assert stats.tier("L3").hits == 3
-        assert stats.storage.tier("L3").reads.hits == 3
+    stats = await round_trip(engine_config(l3_url=tkv_server.url), caches, tokens)
+    assert stats.tier("L3").puts == 3
+    assert stats.tier("L3").hits == 3
+    assert stats.storage.tier("L3").reads.hits == 3
     assert tkv_server.stats()["entries"] == 3
 
 
@@ -72,7 +62,7 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
     tokens = tokens_for(4 * CHUNK + 8, seed=2)
     # One chunk's L2 file is 8 KiB (4 KiB header page + 4 KiB of KV): L2 keeps only the last.
-    config = _config(l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=tkv_server.url)
+    config = engine_config(l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=tkv_server.url)
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
@@ -82,7 +72,7 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
         assert stats.storage.tier("L3").reads.hits >= 4
         assert stats.tier("L3").puts == 5
     # A fresh process with an empty L2: everything comes from the remote tier.
-    config = _config(l2_path=str(tmp_path / "l2-new"), l3_url=tkv_server.url)
+    config = engine_config(l2_path=str(tmp_path / "l2-new"), l3_url=tkv_server.url)
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
@@ -97,7 +87,7 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
     await server.start()
     tier = _tier(port)
     try:
-        async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        async with TieredKVEngine(engine_config(), lower_tiers=[tier]) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             src = await store_and_drop_l1(engine, caches, first)
             assert await engine.lookup(first) == 64
@@ -148,7 +138,7 @@ async def test_slow_server_times_out_without_stalling_the_engine() -> None:
     tokens = tokens_for(96, seed=5)
     tier = _tier(port, timeout_s=0.2)
     try:
-        async with TieredKVEngine(_config(), lower_tiers=[tier]) as engine:
+        async with TieredKVEngine(engine_config(), lower_tiers=[tier]) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             assert await engine.store(tokens, [1, 2, 3, 4, 5, 6]) == 96
             pending = tier.stats()
@@ -227,14 +217,14 @@ async def test_two_tenants_never_see_each_others_chunks(
 ) -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=6)
-    async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="a")) as engine:
+    async with TieredKVEngine(engine_config(l3_url=tkv_server.url, namespace="a")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         src = await store_and_drop_l1(engine, caches, tokens)
-    async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="b")) as engine:
+    async with TieredKVEngine(engine_config(l3_url=tkv_server.url, namespace="b")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         assert await engine.lookup(tokens) == 0
         assert engine.stats().tier("L3").hits == 0
-    async with TieredKVEngine(_config(l3_url=tkv_server.url, namespace="a")) as engine:
+    async with TieredKVEngine(engine_config(l3_url=tkv_server.url, namespace="a")) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
         await retrieve_bit_exact(engine, caches, tokens, src)
 
@@ -311,35 +301,35 @@ async def test_any_rank_frames_pass_through_unchanged(
 def test_tier_factory_by_scheme(tmp_path: Path) -> None:
     from tiered_kv.tiers.remote.redis import redis_py_url  # redis is optional
 
-    tier = remote_tier(_config(l3_url="tkv://127.0.0.1:7474", l3_timeout_s=0.5))
+    tier = remote_tier(engine_config(l3_url="tkv://127.0.0.1:7474", l3_timeout_s=0.5))
     assert isinstance(tier, RemoteTier)
     assert tier.connector.description == "tkv://127.0.0.1:7474"
     options = tier.connector.client.options  # type: ignore[attr-defined]
-    assert options.pool_size == _config().l3_pool_size  # None: sized from the machine
+    assert options.pool_size == engine_config().l3_pool_size  # None: sized from the machine
     for url in ("redis://h:1/0", "valkey://h:1", "rediss://:pw@h:1", "redis+cluster://h:1"):
-        tier = remote_tier(_config(l3_url=url))
+        tier = remote_tier(engine_config(l3_url=url))
         assert "pw" not in tier.connector.description
         assert type(tier.connector).__name__ == "RedisConnector"
-    cluster = remote_tier(_config(l3_url="valkeys+cluster://h:1")).connector
+    cluster = remote_tier(engine_config(l3_url="valkeys+cluster://h:1")).connector
     assert cluster.cluster is True and cluster.description == "valkeys+cluster://h:1"
     assert redis_py_url("valkeys+cluster://h:1") == "rediss://h:1"
     assert redis_py_url("valkey://:pw@h:1/2") == "redis://:pw@h:1/2"
-    assert isinstance(remote_tier(_config(l3_url="tkv://h:1")), RemoteTier)
+    assert isinstance(remote_tier(engine_config(l3_url="tkv://h:1")), RemoteTier)
     token = tmp_path / "token"
     token.write_text("")
     with pytest.raises(ConfigError, match="empty"):
-        remote_tier(_config(l3_url="tkv://h:1", l3_token_file=str(token)))
+        remote_tier(engine_config(l3_url="tkv://h:1", l3_token_file=str(token)))
     with pytest.raises(ConfigError, match="unknown scheme"):
-        _config(l3_url="memcached://h:1")
+        engine_config(l3_url="memcached://h:1")
     with pytest.raises(ConfigError, match="needs a port"):
-        _config(l3_url="tkv://h")
+        engine_config(l3_url="tkv://h")
 
 
 def test_lower_tiers_come_from_the_config_top_first(tmp_path: Path) -> None:
     from tiered_kv.tiers.l2 import DiskTier
 
-    assert lower_tiers(_config()) == []
-    tiers = lower_tiers(_config(l2_path=str(tmp_path), l2_size="1MiB", l3_url="tkv://h:1"))
+    assert lower_tiers(engine_config()) == []
+    tiers = lower_tiers(engine_config(l2_path=str(tmp_path), l2_size="1MiB", l3_url="tkv://h:1"))
     assert [type(tier) for tier in tiers] == [DiskTier, RemoteTier]
     assert [tier.name for tier in tiers] == ["L2", "L3"]
     assert isinstance(tiers[0], DiskTier) and tiers[0].capacity == 1 << 20
@@ -357,8 +347,8 @@ def test_redis_url_without_the_redis_package_names_the_extra(
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis now fails
     for url in ("redis://h:1/0", "valkeys+cluster://h:1"):
         with pytest.raises(ConfigError, match=r"pip install 'tiered-kv\[redis\]'"):
-            _config(l3_url=url)
-    assert isinstance(remote_tier(_config(l3_url="tkv://h:1")), RemoteTier)
+            engine_config(l3_url=url)
+    assert isinstance(remote_tier(engine_config(l3_url="tkv://h:1")), RemoteTier)
 
 
 async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> None:
@@ -369,14 +359,16 @@ async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> 
         tokens = tokens_for(64, seed=8)
         wrong = tmp_path / "wrong"
         wrong.write_text("wrong")
-        async with TieredKVEngine(_config(l3_url=server.url, l3_token_file=str(wrong))) as engine:
+        async with TieredKVEngine(
+            engine_config(l3_url=server.url, l3_token_file=str(wrong))
+        ) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             assert await engine.store(tokens, [1, 2, 3, 4]) == 64
             await engine.flush(timeout=10)
             assert engine.stats().tier("L3").put_failures == 2
         assert server.stats()["auth_failures"] >= 1
         assert server.stats()["entries"] == 0
-        config = _config(l3_url=server.url, l3_token_file=str(token_file))
+        config = engine_config(l3_url=server.url, l3_token_file=str(token_file))
         async with TieredKVEngine(config) as engine:
             engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
             src = await store_and_drop_l1(engine, caches, tokens)
