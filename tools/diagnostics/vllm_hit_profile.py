@@ -130,8 +130,8 @@ def main() -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     def mover_seconds() -> float:
-        mover = get_kv_transfer_group().engine_stats().as_dict().get("mover", {})
-        return float(mover.get("scatter_seconds", 0.0))
+        mover = get_kv_transfer_group().engine_stats().mover
+        return 0.0 if mover is None else mover.scatter_seconds
 
     copy_seconds = 0.0
     walls: dict[str, list[float]] = {"l1_hit": [], "own_hit": []}
