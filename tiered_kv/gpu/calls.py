@@ -30,9 +30,9 @@ from tiered_kv.gpu.staging import Direction
 from tiered_kv.memory import MemoryObj
 
 # A caller awaiting its call (`CallTracker.wait`) is woken this long before the call's predicted
-# end, then watches the call's last event on the loop thread until this long after that end at
-# most (`SPIN_GRACE_S`): the last microseconds of a call are not paid twice (the waiter thread's
-# sighting, then the hop to the loop). Past the grace the waiter thread's sighting ends the wait.
+# end (a call predicted to end sooner is never handed to the waiter thread), then watches the
+# call's last event on the loop thread alone until this long after that end at most
+# (`SPIN_GRACE_S`); past the grace the waiter thread takes the call back.
 SPIN_LEAD_S = 100e-6
 SPIN_GRACE_S = 100e-6
 
