@@ -511,7 +511,8 @@ async def test_re_registration_and_close_give_back_the_engines_gpu_memory() -> N
         return torch.cuda.memory_allocated()
 
     baseline = allocated()
-    users_before = dict(kernels._users)
+    device = torch.cuda.current_device()
+    users_before = kernels.kernel_users(device)
     sizes = []
     async with TieredKVEngine(EngineConfig(chunk_size=32, l1_size="16MiB")) as engine:
         for seed in range(3):
@@ -525,4 +526,4 @@ async def test_re_registration_and_close_give_back_the_engines_gpu_memory() -> N
             sizes.append(allocated())
     assert sizes[1] == sizes[0] and sizes[2] == sizes[0], sizes
     assert allocated() == baseline
-    assert kernels._users == users_before  # the kernel module was released with the mover
+    assert kernels.kernel_users(device) == users_before  # released with the mover

@@ -330,6 +330,13 @@ def load_kernels(device_index: int, cache: KernelCache | None = None) -> DeviceK
         return loaded
 
 
+def kernel_users(device_index: int) -> int:
+    """How many holders (`load_kernels` calls not yet released) keep the device's module
+    loaded: 0 once the last released it (for leak checks)."""
+    with _load_lock:
+        return _users.get(device_index, 0)
+
+
 def release_kernels(device_index: int) -> None:
     """The pair of `load_kernels`: the last user unloads the module and releases the primary
     context it retained (torch keeps its own reference to that context)."""
