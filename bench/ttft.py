@@ -1649,13 +1649,18 @@ def plot_speedups(report: Report, ax: Any, lengths: Sequence[int]) -> None:
         xs, ys = zip(*bound, strict=True)
         ax.plot(xs, ys, "k:", label="physical bound")
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    finish_axes(ax, lengths, "recompute / TTFT", "speedup over recomputing, 100% cached")
+
+
+def finish_axes(ax: Any, lengths: Sequence[int], ylabel: str, title: str) -> None:
+    """Log-log axes over the prompt lengths, with plain tick labels, a grid and a legend."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     plain_log_labels(ax)
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("recompute / TTFT")
-    ax.set_title("speedup over recomputing, 100% cached")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -1704,15 +1709,7 @@ def write_png(report: Report, path: Path) -> bool:
         if bounds:
             xs, ys = zip(*bounds, strict=True)
             ax.plot(xs, [1e3 * (y or 0.0) for y in ys], "k:", label="bound max(load, compute)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(lengths, [str(n) for n in lengths])
-        plain_log_labels(ax)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_title(f"{pct}% of the prompt cached")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        finish_axes(ax, lengths, "TTFT (ms)", f"{pct}% of the prompt cached")
     plot_speedups(report, axes[3], lengths)
     fig.suptitle(
         f"TTFT, {report.options.get('model', 'Llama')}, {report.device_name}; "

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -272,11 +273,20 @@ async def retrieve_bit_exact(
     assert caches.bytes_equal(expected)
 
 
+@contextlib.asynccontextmanager
+async def registered_engine(
+    config: EngineConfig, caches: KVCaches, **engine_args: Any
+) -> AsyncIterator[TieredKVEngine]:
+    """An open engine on ``config`` with ``caches`` registered (model "m"); closed on exit."""
+    async with TieredKVEngine(config, **engine_args) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        yield engine
+
+
 async def round_trip(config: EngineConfig, caches: KVCaches, tokens: list[int]) -> EngineStats:
     """An engine on ``config`` stores ``tokens`` from blocks 1.., drops L1 (`store_and_drop_l1`)
     and reads them back bit-exact (`retrieve_bit_exact`); its stats before it closed."""
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
         return engine.stats()

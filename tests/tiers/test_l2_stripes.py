@@ -44,13 +44,6 @@ def make_obj(arena: HostArena, seed: int) -> MemoryObj:
     return obj
 
 
-def poisoned(arena: HostArena) -> MemoryObj:
-    obj = arena.allocate_obj(LAYOUT, CHUNK)
-    assert obj is not None
-    obj.raw().fill_(0xA5)
-    return obj
-
-
 def same(a: MemoryObj, b: MemoryObj) -> bool:
     return all(torch.equal(a.group_bytes(g), b.group_bytes(g)) for g in range(2))
 
@@ -105,6 +98,16 @@ async def stored(tmp_path: Path, arena: HostArena) -> AsyncIterator[tuple[ChunkK
     source.unref()
 
 
+@pytest.fixture
+def target(arena: HostArena) -> Iterator[MemoryObj]:
+    """A chunk of poison to read into, released after the test."""
+    obj = arena.allocate_obj(LAYOUT, CHUNK)
+    assert obj is not None
+    obj.raw().fill_(0xA5)
+    yield obj
+    obj.unref()
+
+
 def header_len_of(path: Path) -> int:
     return decode_header(path.read_bytes()[: 64 << 10]).header_len
 
@@ -115,14 +118,15 @@ def test_the_layout_spans_three_stripes_and_the_default_part_two() -> None:
 
 
 async def test_the_stripes_of_one_chunk_are_read_at_once_and_verified(
-    tmp_path: Path, arena: HostArena, stored: tuple[ChunkKey, MemoryObj]
+    tmp_path: Path,
+    stored: tuple[ChunkKey, MemoryObj],
+    target: MemoryObj,
 ) -> None:
     key, source = stored
     root = tmp_path / "l2"
     file_ops = StripeReads(header_len_of(chunk_path(root, key)), meet=STRIPES)
     tier = DiskTier(root, 1 << 30, io_threads=4, file_ops=file_ops)
     await tier.open()
-    target = poisoned(arena)
     try:
         assert await tier.get_into(key, target)  # the barrier breaks unless all three meet
         assert same(source, target)
@@ -133,17 +137,16 @@ async def test_the_stripes_of_one_chunk_are_read_at_once_and_verified(
         assert len({name for _, name in file_ops.reads}) == STRIPES
         assert tier.stats().hits == 1
     finally:
-        target.unref()
         await tier.aclose()
 
 
 @pytest.mark.parametrize("stripe", range(STRIPES))
 async def test_a_flipped_byte_in_any_stripe_fails_the_chunk(
     tmp_path: Path,
-    arena: HostArena,
     stored: tuple[ChunkKey, MemoryObj],
     stripe: int,
     caplog: pytest.LogCaptureFixture,
+    target: MemoryObj,
 ) -> None:
     key, _ = stored
     root = tmp_path / "l2"
@@ -153,19 +156,19 @@ async def test_a_flipped_byte_in_any_stripe_fails_the_chunk(
     path.write_bytes(bytes(data))
     tier = DiskTier(root, 1 << 30, io_threads=4)
     await tier.open()
-    target = poisoned(arena)
     try:
         assert not await tier.get_into(key, target)
         assert f"mismatch in stripe {stripe} " in caplog.text
         assert not path.exists()
         assert tier.stats().corrupt_removed == 1
     finally:
-        target.unref()
         await tier.aclose()
 
 
 async def test_a_stripe_that_reads_short_fails_the_chunk(
-    tmp_path: Path, arena: HostArena, stored: tuple[ChunkKey, MemoryObj]
+    tmp_path: Path,
+    stored: tuple[ChunkKey, MemoryObj],
+    target: MemoryObj,
 ) -> None:
     key, _ = stored
     root = tmp_path / "l2"
@@ -173,17 +176,18 @@ async def test_a_stripe_that_reads_short_fails_the_chunk(
     file_ops = StripeReads(header_len_of(path), short_at=STRIPE_BYTES)
     tier = DiskTier(root, 1 << 30, io_threads=4, file_ops=file_ops)
     await tier.open()
-    target = poisoned(arena)
     try:
         assert not await tier.get_into(key, target)
         assert tier.stats().corrupt_removed == 1 and not path.exists()
     finally:
-        target.unref()
         await tier.aclose()
 
 
 async def test_a_file_of_another_key_is_refused_by_its_header(
-    tmp_path: Path, arena: HostArena, stored: tuple[ChunkKey, MemoryObj]
+    tmp_path: Path,
+    arena: HostArena,
+    stored: tuple[ChunkKey, MemoryObj],
+    target: MemoryObj,
 ) -> None:
     """A file holding another key under this key's name: its stripes may have been read into
     the buffers, but the header's check decides and nothing is served."""
@@ -193,7 +197,6 @@ async def test_a_file_of_another_key_is_refused_by_its_header(
     tier = DiskTier(root, 1 << 30, io_threads=4)
     await tier.open()
     source = make_obj(arena, seed=9)
-    target = poisoned(arena)
     try:
         assert await tier.put(other, source)
         chunk_path(root, other).replace(chunk_path(root, key))
@@ -201,5 +204,4 @@ async def test_a_file_of_another_key_is_refused_by_its_header(
         assert tier.stats().hits == 0
     finally:
         source.unref()
-        target.unref()
         await tier.aclose()

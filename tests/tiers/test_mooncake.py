@@ -28,6 +28,7 @@ from tests.remote_fixtures import (
     CHUNK,
     ROUND_TRIP_CASES,
     engine_config,
+    registered_engine,
     retrieve_bit_exact,
     round_trip,
     store_and_drop_l1,
@@ -236,8 +237,8 @@ async def test_two_engines_in_two_processes_share_chunks(
     assert writer.wait_stored() == (4, 0)
     tokens, caches, src = writer.tokens, writer.caches, writer.src_blocks
     # This engine lends no segment: every chunk it reads lies in the writer's.
-    async with TieredKVEngine(engine_config(l3_url=mooncake_master.url(segment="0"))) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    config = engine_config(l3_url=mooncake_master.url(segment="0"))
+    async with registered_engine(config, caches) as engine:
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats().tier("L3").hits == 4
 
@@ -287,8 +288,7 @@ async def test_chunks_on_a_pool_node_outlive_the_engine_that_wrote_them(
         writer.kill()
         tokens, caches, src = writer.tokens, writer.caches, writer.src_blocks
         config = engine_config(l3_url=mooncake_master.url(segment="0"), l3_timeout_s=5.0)
-        async with TieredKVEngine(config) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        async with registered_engine(config, caches) as engine:
             await retrieve_bit_exact(engine, caches, tokens, src)
             assert engine.stats().tier("L3").hits == 4
     finally:
@@ -312,8 +312,7 @@ async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
         writer.kill()
         tokens, caches, src = writer.tokens, writer.caches, writer.src_blocks
         config = engine_config(l3_url=master.url(segment="0"), l3_timeout_s=1.0)
-        async with TieredKVEngine(config) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        async with registered_engine(config, caches) as engine:
             deadline = time.monotonic() + 30
             while (await engine.retrieve(tokens, list(range(12, 19)))).valid_tokens < len(tokens):
                 assert time.monotonic() < deadline, engine.stats()["l3"]
@@ -337,8 +336,7 @@ async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
     config = engine_config(
         l3_url=mooncake_master.url(), l3_timeout_s=timeout_s, prefetch_policy="timeout"
     )
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
         assert await engine.lookup(tokens) == len(tokens)
         mooncake_master.kill()

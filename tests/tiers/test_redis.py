@@ -21,11 +21,11 @@ from tests.remote_fixtures import (  # noqa: F401
     key_prefix,
     redis_cluster_url,
     redis_url,
+    registered_engine,
     retrieve_bit_exact,
     store_and_drop_l1,
     tokens_for,
 )
-from tiered_kv import TieredKVEngine
 from tiered_kv.codec import GroupSpec, PayloadHasher, encode_chunk
 from tiered_kv.keys import KeyScope, chunk_keys
 from tiered_kv.tiers.l3_remote import RemoteTier
@@ -51,8 +51,7 @@ async def test_engine_round_trip_through_redis(
     config = engine_config(
         l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=redis_url, l3_key_prefix=key_prefix
     )
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
         stats = engine.stats()
@@ -62,8 +61,8 @@ async def test_engine_round_trip_through_redis(
     assert len(names) == 4
     assert all(name.startswith(f"{key_prefix}::".encode()) for name in names)  # namespace ""
     # L3 only, a new process: everything from Redis.
-    async with TieredKVEngine(engine_config(l3_url=redis_url, l3_key_prefix=key_prefix)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    l3_only = engine_config(l3_url=redis_url, l3_key_prefix=key_prefix)
+    async with registered_engine(l3_only, caches) as engine:
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats().tier("L3").hits == 4
 
@@ -75,19 +74,16 @@ async def test_tenants_are_separate_key_spaces(
     caches = make_caches("vllm_nhd", torch.float16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=12)
     shared = {"l3_url": redis_url, "l3_key_prefix": key_prefix}
-    async with TieredKVEngine(engine_config(namespace="alice/{x}", **shared)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(engine_config(namespace="alice/{x}", **shared), caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
-    async with TieredKVEngine(engine_config(namespace="bob", **shared)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(engine_config(namespace="bob", **shared), caches) as engine:
         assert await engine.lookup(tokens) == 0
     names = await _keys(redis_url, f"{key_prefix}:*")
     quoted = urllib.parse.quote("alice/{x}", safe="")
     assert len(names) == 2
     assert all(name.startswith(f"{key_prefix}:{quoted}:".encode()) for name in names)
     assert all(b"{" not in name for name in names)  # no hash tag sneaks in
-    async with TieredKVEngine(engine_config(namespace="alice/{x}", **shared)) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(engine_config(namespace="alice/{x}", **shared), caches) as engine:
         await retrieve_bit_exact(engine, caches, tokens, src)
 
 
@@ -98,8 +94,7 @@ async def test_corrupt_value_is_a_miss_and_removed_and_ttl_applies(
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(32, seed=13)
     config = engine_config(l3_url=redis_url, l3_key_prefix=key_prefix, l3_ttl_s=60)
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         await store_and_drop_l1(engine, caches, tokens)
         (key,) = engine.chunk_keys(tokens)
         name = redis_key_name(key_prefix, key)
@@ -128,8 +123,7 @@ async def test_redis_down_is_only_misses() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=14)
     tier = RemoteTier(connector, timeout_s=0.5)
-    async with TieredKVEngine(engine_config(), lower_tiers=[tier]) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(engine_config(), caches, lower_tiers=[tier]) as engine:
         await store_and_drop_l1(engine, caches, tokens)
         assert await engine.lookup(tokens) == 0
     stats = tier.stats()
@@ -144,8 +138,7 @@ async def test_cluster_routes_keys_across_slots(
     caches = make_caches("separate", torch.bfloat16, num_blocks=50, block_size=BLOCK)
     tokens = tokens_for(12 * CHUNK, seed=15)
     config = engine_config(l3_url=redis_cluster_url, l3_key_prefix=key_prefix)
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats().tier("L3").hits == 12
@@ -158,8 +151,7 @@ async def test_cluster_routes_keys_across_slots(
         assert len(nodes) >= 2
     finally:
         await cluster.aclose()
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         assert await engine.lookup(tokens) == 12 * CHUNK
         assert engine.stats().tier("L3").exists_calls == 1
 

@@ -16,6 +16,7 @@ from tests.remote_fixtures import (  # noqa: F401
     ROUND_TRIP_CASES,
     engine_config,
     free_port,
+    registered_engine,
     retrieve_bit_exact,
     round_trip,
     store_and_drop_l1,
@@ -63,8 +64,7 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
     tokens = tokens_for(4 * CHUNK + 8, seed=2)
     # One chunk's L2 file is 8 KiB (4 KiB header page + 4 KiB of KV): L2 keeps only the last.
     config = engine_config(l2_path=str(tmp_path / "l2"), l2_size="12KiB", l3_url=tkv_server.url)
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
         assert engine.stats().tier("L2").entries <= 1
         await retrieve_bit_exact(engine, caches, tokens, src)
@@ -73,8 +73,7 @@ async def test_engine_l1_l2_l3_reads_what_l1_and_l2_lost_from_remote(
         assert stats.tier("L3").puts == 5
     # A fresh process with an empty L2: everything comes from the remote tier.
     config = engine_config(l2_path=str(tmp_path / "l2-new"), l3_url=tkv_server.url)
-    async with TieredKVEngine(config) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(config, caches) as engine:
         await retrieve_bit_exact(engine, caches, tokens, src)
         assert engine.stats().storage.tier("L3").reads.hits == 5
 
@@ -87,8 +86,7 @@ async def test_server_restart_mid_run_means_misses_then_recovery() -> None:
     await server.start()
     tier = _tier(port)
     try:
-        async with TieredKVEngine(engine_config(), lower_tiers=[tier]) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        async with registered_engine(engine_config(), caches, lower_tiers=[tier]) as engine:
             src = await store_and_drop_l1(engine, caches, first)
             assert await engine.lookup(first) == 64
             await server.aclose()
@@ -138,8 +136,7 @@ async def test_slow_server_times_out_without_stalling_the_engine() -> None:
     tokens = tokens_for(96, seed=5)
     tier = _tier(port, timeout_s=0.2)
     try:
-        async with TieredKVEngine(engine_config(), lower_tiers=[tier]) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        async with registered_engine(engine_config(), caches, lower_tiers=[tier]) as engine:
             assert await engine.store(tokens, [1, 2, 3, 4, 5, 6]) == 96
             pending = tier.stats()
             assert pending.puts == 0 and pending.put_failures == 0  # still in the background
@@ -217,15 +214,13 @@ async def test_two_tenants_never_see_each_others_chunks(
 ) -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=16, block_size=BLOCK)
     tokens = tokens_for(64, seed=6)
-    async with TieredKVEngine(engine_config(l3_url=tkv_server.url, namespace="a")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    tenant_a, tenant_b = (engine_config(l3_url=tkv_server.url, namespace=n) for n in "ab")
+    async with registered_engine(tenant_a, caches) as engine:
         src = await store_and_drop_l1(engine, caches, tokens)
-    async with TieredKVEngine(engine_config(l3_url=tkv_server.url, namespace="b")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(tenant_b, caches) as engine:
         assert await engine.lookup(tokens) == 0
         assert engine.stats().tier("L3").hits == 0
-    async with TieredKVEngine(engine_config(l3_url=tkv_server.url, namespace="a")) as engine:
-        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    async with registered_engine(tenant_a, caches) as engine:
         await retrieve_bit_exact(engine, caches, tokens, src)
 
 
@@ -369,7 +364,6 @@ async def test_wrong_token_through_the_engine_is_only_misses(tmp_path: Path) -> 
         assert server.stats()["auth_failures"] >= 1
         assert server.stats()["entries"] == 0
         config = engine_config(l3_url=server.url, l3_token_file=str(token_file))
-        async with TieredKVEngine(config) as engine:
-            engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        async with registered_engine(config, caches) as engine:
             src = await store_and_drop_l1(engine, caches, tokens)
             await retrieve_bit_exact(engine, caches, tokens, src)

@@ -49,7 +49,7 @@ import os
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from tiered_kv.config import MooncakeOptions
@@ -362,9 +362,12 @@ class MooncakeConnector(RemoteConnector):
         task = self._drains.get(kind)
         if task is not None and not task.done():
             return
-        run = self._run_gets if kind == "get" else self._run_puts
+        if kind == "get":
+            run = self._run_batches(self._gets, "get_batches", self._get_batch)
+        else:
+            run = self._run_batches(self._puts, "put_batches", self._put_batch)
         self._drains[kind] = asyncio.get_running_loop().create_task(
-            run(), name=f"tkv-mooncake-{kind}s"
+            run, name=f"tkv-mooncake-{kind}s"
         )
 
     @staticmethod
@@ -384,14 +387,21 @@ class MooncakeConnector(RemoteConnector):
         queue[:] = rest
         return batch
 
-    async def _run_gets(self) -> None:
-        while self._gets:
-            batch = self._take_batch(self._gets)
+    async def _run_batches(
+        self,
+        queue: list[_Request[_T]],
+        counter: str,
+        run_batch: Callable[[list[_Request[_T]]], Awaitable[None]],
+    ) -> None:
+        """Batches of ``queue`` through ``run_batch`` (each counted in ``counter``) until it is
+        empty."""
+        while queue:
+            batch = self._take_batch(queue)
             if not batch:
                 continue
-            self._counters["get_batches"] += 1
+            self._counters[counter] += 1
             try:
-                await self._get_batch(batch)
+                await run_batch(batch)
             except BaseException as exc:  # every request of the batch fails alike
                 _fail(batch, exc)
                 if not isinstance(exc, Exception):
@@ -473,19 +483,6 @@ class MooncakeConnector(RemoteConnector):
             else:
                 results.append(RemoteError(f"mooncake transfer of a chunk: code {code}"))
         return results
-
-    async def _run_puts(self) -> None:
-        while self._puts:
-            batch = self._take_batch(self._puts)
-            if not batch:
-                continue
-            self._counters["put_batches"] += 1
-            try:
-                await self._put_batch(batch)
-            except BaseException as exc:
-                _fail(batch, exc)
-                if not isinstance(exc, Exception):
-                    raise
 
     async def _put_batch(self, batch: list[_Request[None]]) -> None:
         names = [request.name for request in batch]
