@@ -22,6 +22,13 @@ FORMATS = (
     "separate",
     "fused",
 )
+# The KV dtypes the round-trip tests cover, by the short name their test ids use.
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
 POISON = 0xA5
 
 Entry = Any  # a tensor, or a (K, V) tuple, or (view, physical) for permuted layouts

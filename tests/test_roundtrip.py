@@ -8,17 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.kvfactory import FORMATS, KVCaches, expect_copy, make_caches, poison_blocks
+from tests.kvfactory import (
+    DTYPES,
+    FORMATS,
+    KVCaches,
+    expect_copy,
+    make_caches,
+    poison_blocks,
+)
 from tiered_kv import EngineConfig, TieredKVEngine
 
 CHUNK = 32
 BLOCK = 16
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "int8": torch.int8,
-}
 
 
 def _tokens(n: int, seed: int) -> list[int]:
