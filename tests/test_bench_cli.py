@@ -48,6 +48,7 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in body]
 
 
+@pytest.mark.slow
 def test_bench_workload_prints_the_table_last_and_writes_the_plot(tmp_path: Path) -> None:
     out = tmp_path / "out"
     figures = tmp_path / "figures.json"
@@ -94,6 +95,7 @@ def _without_matplotlib(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(shadow.parent)}
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_names_the_extra_before_running(tmp_path: Path) -> None:
     env = _without_matplotlib(tmp_path)
     out = tmp_path / "out"
@@ -113,6 +115,7 @@ def test_bench_without_matplotlib_names_the_extra_before_running(tmp_path: Path)
     assert "workload_ttft.png" not in (out / "workload.md").read_text()
 
 
+@pytest.mark.slow
 def test_bench_transfer_without_cuda_says_so_and_exits_2(tmp_path: Path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no device, also on a GPU machine
     result = run_cli("bench", "transfer", "--quick", "--out", str(tmp_path), env=env)
@@ -149,6 +152,7 @@ def test_bench_prefetch_measures_each_lower_tier_against_its_own_ceiling(tmp_pat
     assert list(tmp_path.iterdir()) == [], "the benchmark's files are removed"
 
 
+@pytest.mark.slow
 def test_bench_names_and_options_are_checked() -> None:
     unknown = run_cli("bench", "nope")
     assert unknown.returncode == 2 and "invalid choice: 'nope'" in unknown.stderr
@@ -158,6 +162,7 @@ def test_bench_names_and_options_are_checked() -> None:
     assert helped.returncode == 0 and "usage: tiered-kv bench remote" in helped.stdout
 
 
+@pytest.mark.slow
 def test_bench_scripts_in_a_clone_run_the_packaged_benchmarks() -> None:
     for name in ("workload", "transfer", "remote", "prefetch"):
         result = subprocess.run(

@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.kvfactory import make_caches, poison_blocks
@@ -44,6 +45,7 @@ serve()
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_never_closes_its_engine_keeps_its_writes(tmp_path: Path) -> None:
     l2 = tmp_path / "l2"
     repo = Path(__file__).resolve().parents[1]

@@ -37,6 +37,7 @@ def tiny_report() -> Iterator[ttft.Report]:
         yield runner.run(ttft.run_bench(opts))
 
 
+@pytest.mark.slow
 def test_every_case_is_measured_and_tabled(tiny_report: ttft.Report) -> None:
     report = tiny_report
     expected = {(n, 0, "recompute", "-") for n in (64, 128)}
@@ -78,6 +79,7 @@ def test_every_case_is_measured_and_tabled(tiny_report: ttft.Report) -> None:
     assert report.as_dict()["cases"]  # the JSON form serializes
 
 
+@pytest.mark.slow
 def test_each_lower_tier_is_bounded_by_its_own_ceiling(tiny_report: ttft.Report) -> None:
     """L2 warm and L3 loads are bounded by the slower of the H2D ceiling and the tier's own
     ceiling, measured in the run (page-cache reads, loopback TCP), with its sweep kept."""
@@ -94,6 +96,7 @@ def test_each_lower_tier_is_bounded_by_its_own_ceiling(tiny_report: ttft.Report)
         assert case.load_bound_s == pytest.approx(kv_bytes / rate)
 
 
+@pytest.mark.slow
 def test_logits_agree_across_whole_layerwise_tiers_and_recompute(
     tiny_report: ttft.Report,
 ) -> None:
