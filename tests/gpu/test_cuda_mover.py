@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tests.kvfactory import FORMATS, KVCaches, make_caches, poison_blocks
+from tests.kvfactory import DTYPES, FORMATS, KVCaches, make_caches, poison_blocks
 from tiered_kv.errors import LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.gpu.dispatch import DeviceMover
@@ -30,12 +30,6 @@ pytestmark = pytest.mark.gpu
 
 CHUNK = 32
 BLOCK = 16
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "int8": torch.int8,
-}
 
 
 def _pair(fmt: str, dtype: torch.dtype, seed: int, **kw: int) -> tuple[KVCaches, KVCaches]:
