@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -413,9 +414,65 @@ async def test_engine_uses_the_cuda_mover_for_cuda_caches(tmp_path: object) -> N
                     assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
         mover = engine.stats().mover
         calls = mover.extra
-        assert calls["cuda_gather_staging_calls"] + calls["cuda_gather_dma_calls"] == 1
-        assert calls["cuda_scatter_staging_calls"] + calls["cuda_scatter_dma_calls"] == 1
+        for direction in ("gather", "scatter"):
+            assert sum(calls[f"cuda_{direction}_{path}_calls"] for path in PATHS) == 1
         assert mover.bytes_gathered == engine.layout_desc().nbytes(32) * 2
+
+
+@pytest.mark.parametrize("case", ["small", "large", "unpinned", "layerwise"])
+async def test_auto_runs_small_whole_calls_as_mapped_kernels_of_few_ctas(case: str) -> None:
+    """Under ``auto``, a whole call of at most ``small_call_bytes`` on a staging layout with
+    pinned objects is one mapped launch of ``small_call_ctas`` CTAs; a larger call, unpinned
+    objects or a layerwise load keep the staging path. Bytes match the reference each way."""
+    ours, theirs = _pair("vllm_hnd_view", torch.bfloat16, 41, num_blocks=16)
+    lo, lt = _layout(ours), _layout(theirs)
+    chunk_bytes = lo.layout_desc.nbytes(CHUNK)
+    limit = chunk_bytes if case != "large" else chunk_bytes // 2  # a scatter skips 5 tokens
+    mover = CudaMover(MoverOptions(small_call_bytes=limit, small_call_ctas=7))
+    assert mover.device_state(lo.device).plan(lo).path == "staging"
+    oracle = TorchMover()
+    ctas: list[int] = []
+    launch = mover.launcher.launch
+
+    def recording(*args: Any) -> None:
+        ctas.append(args[-1])
+        launch(*args)
+
+    mover.launcher.launch = recording  # type: ignore[method-assign]
+    arena = HostArena(8 << 20, pin=case != "unpinned")
+    try:
+        src, dst = _blocks(CHUNK, 16, 1), _blocks(CHUNK, 16, 2)
+        a, b = _objects(arena, lo, CHUNK), _objects(arena, lt, CHUNK)
+        if case == "layerwise":
+            save = mover.begin_gather(lo, src, _transfers(a, 0))
+            for layer in range(lo.num_layers):
+                save.save(layer)
+            await save.finish()
+        else:
+            await mover.gather(lo, src, _transfers(a, 0))
+        await oracle.gather(lt, src, _transfers(b, 0))
+        assert torch.equal(a[0].raw(), b[0].raw())
+        poison_blocks(ours, dst)
+        poison_blocks(theirs, dst)
+        await mover.scatter(lo, dst, _transfers(a, 5))
+        await oracle.scatter(lt, dst, _transfers(b, 5))
+        torch.cuda.synchronize()
+        assert ours.bytes_equal(theirs.snapshot())
+        stats = mover.stats()
+        # (gather, scatter) as mapped kernels of small_call_ctas: one launch each
+        mapped = {"small": (1, 1), "large": (0, 0), "unpinned": (0, 0), "layerwise": (0, 1)}
+        gather, scatter = mapped[case]
+        assert (stats["gather_mapped_calls"], stats["scatter_mapped_calls"]) == (gather, scatter)
+        assert (stats["gather_staging_calls"], stats["scatter_staging_calls"]) == (
+            1 - gather,
+            1 - scatter,
+        )
+        assert ctas.count(7) == gather + scatter
+        for obj in (*a, *b):
+            obj.unref()
+    finally:
+        await mover.aclose()
+        assert arena.close() == 0
 
 
 async def test_caller_cancelled_while_enqueueing_still_gets_the_whole_call_run() -> None:

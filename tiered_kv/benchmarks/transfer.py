@@ -10,9 +10,11 @@ with status 2: it has no CPU part (the CPU benchmarks are ``workload`` and ``rem
    view, MLA (32 layers, 576-wide bf16), an int8 group with 132-byte rows (32 layers), and
    whole-block caches (format 'blocks', [NB, 8, 16, 256] bf16: vLLM's CPU-backend layout).
    Chunks of 256 tokens, block tables shuffled (a long-running server's blocks are not adjacent).
-3. For each path: store (gather) and retrieve (scatter) GB/s as the engine sees them (awaited
-   mover calls, enqueue and completion included) at 1 and 32 chunks per call; store and
-   retrieve of 32 chunks at once; the slowdown of a concurrent bf16 matmul during retrieves.
+3. For ``auto`` (the engine's default: staging, or DMA for long runs, and small calls as mapped
+   kernels of few CTAs) and each path: store (gather) and retrieve (scatter) GB/s as the engine
+   sees them (awaited mover calls, enqueue and completion included) at 1 and 32 chunks per call;
+   store and retrieve of 32 chunks at once; the slowdown of a concurrent bf16 matmul during
+   retrieves.
 4. Baselines: naive torch (index_select, then copy to pinned memory), and LMCache's
    ``multi_layer_kv_transfer`` on the NHD cache when the ``lmcache`` wheel imports.
 
@@ -45,6 +47,7 @@ from tiered_kv.benchmarks.progress import Progress, print_line
 from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.kernels import check_driver
 from tiered_kv.gpu.mover import PATHS, CudaMover, MoverOptions, choose_path
+from tiered_kv.gpu.plan import PathChoice
 from tiered_kv.layout import KVCacheLayout, build_layout
 from tiered_kv.memory import HostArena, MemoryObj
 
@@ -464,7 +467,8 @@ async def bench_case(
     case: Case, reps: int, counts: list[int], mm_iters: int
 ) -> list[dict[str, Any]]:
     rows = []
-    for path in PATHS:
+    paths: tuple[PathChoice, ...] = ("auto", *PATHS)  # auto: what the engine does by default
+    for path in paths:
         mover = CudaMover(MoverOptions(path=path, staging_slot_bytes=SLOT_BYTES))
         try:
             row = await bench_path(mover, case, reps, counts, mm_iters)

@@ -25,7 +25,7 @@ from tiered_kv.gpu.base import ChunkTransfer
 from tiered_kv.gpu.completion import CompletionWaiter
 from tiered_kv.gpu.device import DeviceState
 from tiered_kv.gpu.events import CallBuffers, CudaLayerLoad
-from tiered_kv.gpu.plan import PATHS, CallDirection, LayoutPlan, MoverPath
+from tiered_kv.gpu.plan import PATHS, CallDirection, MoverPath
 from tiered_kv.gpu.staging import Direction
 from tiered_kv.memory import MemoryObj
 
@@ -62,9 +62,9 @@ class Call:
     prediction: tuple[float, float, asyncio.AbstractEventLoop] | None = None
     near: asyncio.Future[None] | None = None  # resolves shortly before the predicted end
 
-    def open(self, plan: LayoutPlan, caller: torch.cuda.Stream, to_host: bool) -> None:
+    def open(self, caller: torch.cuda.Stream, to_host: bool) -> None:
         """Order the call after the caller's queued work and record its ``begun`` event."""
-        side, buffers = self.side, self.buffers
+        side, buffers, path = self.side, self.buffers, self.path
         ready = self.after
         if ready is None:
             ready = buffers.ready
@@ -72,11 +72,11 @@ class Call:
         # Whatever first touches the paged cache waits for the caller's queued work (or the
         # producer's event): the kernels, or the copies on the DMA-only path. (Staging DMAs are
         # ordered through the slot events.)
-        first = side.dma_stream if plan.path == "dma" else side.kernel_stream
+        first = side.dma_stream if path == "dma" else side.kernel_stream
         first.wait_event(ready)
         # `begun` precedes all of the call's GPU work (a staging scatter starts with DMAs that
         # need not wait for the caller), so the clock never learns a rate faster than the link.
-        opening = side.dma_stream if plan.path == "staging" and not to_host else first
+        opening = side.dma_stream if path == "staging" and not to_host else first
         buffers.begun.record(opening)
 
     def layer_steps(self) -> list[tuple[int, ...] | None]:

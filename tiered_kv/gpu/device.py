@@ -29,7 +29,10 @@ class MoverOptions:
     ``staging_ctas`` thread blocks per launch; ``mapped_ctas`` (0: two per SM) for the mapped
     path, which needs many loads in flight to cover PCIe latency. A staging layerwise load of
     small layers launches its first ``mapped_front_layers`` layers (at most all but one) as
-    mapped kernels before it returns (0: staging fills only; docs/layerwise.md)."""
+    mapped kernels before it returns (0: staging fills only; docs/layerwise.md). Under ``auto``,
+    a whole call of at most ``small_call_bytes`` (0: none) on a staging layout whose objects are
+    pinned runs as mapped kernels of ``small_call_ctas`` CTAs: one launch, no staging fill,
+    and too few CTAs to slow the model (docs/decisions/small-gpu-calls.md)."""
 
     path: PathChoice = "auto"
     staging_slot_bytes: int = 32 << 20
@@ -37,6 +40,8 @@ class MoverOptions:
     staging_ctas: int = 32
     mapped_ctas: int = 0
     mapped_front_layers: int = 4
+    small_call_bytes: int = 2 << 20
+    small_call_ctas: int = 32
 
     def __post_init__(self) -> None:
         path_choice(self.path)  # a string from outside the type checker: refused clearly
@@ -50,6 +55,11 @@ class MoverOptions:
             raise ValueError(
                 f"MoverOptions: staging_ctas must be >= 1, mapped_ctas and mapped_front_layers "
                 f">= 0, got {self.staging_ctas}, {self.mapped_ctas}, {self.mapped_front_layers}"
+            )
+        if self.small_call_bytes < 0 or self.small_call_ctas < 1:
+            raise ValueError(
+                f"MoverOptions: small_call_bytes must be >= 0 and small_call_ctas >= 1, got "
+                f"{self.small_call_bytes}, {self.small_call_ctas}"
             )
 
 

@@ -197,10 +197,12 @@ class Launcher:
         table: BlockTable,
         transfers: Sequence[ChunkTransfer],
         layers: Sequence[int] | None,
+        ctas: int = 0,
     ) -> None:
         """Kernels read or write the mapped host chunks: every layer (``layers`` None), or only
-        those model layers."""
-        ctas = self.options.mapped_ctas or 2 * state.sm_count
+        those model layers; ``ctas`` per launch (0: the options' ``mapped_ctas``, or two per
+        SM)."""
+        ctas = ctas or self.options.mapped_ctas or 2 * state.sm_count
         block_size = plan.layout.block_size
         for group, ranges in layer_ranges(plan, layers):
             jobs = []

@@ -82,7 +82,7 @@ class LayerwiseLoads:
             with launcher.lock:
                 state.kernels.make_current()
                 state.ensure_slots(side, plan)
-                call.open(plan, torch.cuda.current_stream(state.device), False)
+                call.open(torch.cuda.current_stream(state.device), False)
                 table = launcher.block_table(call, block_ids, span, side.kernel_cu)
                 for layer in front:
                     launcher.enqueue_mapped(state, plan, side, False, table, transfers, (layer,))

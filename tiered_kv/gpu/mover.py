@@ -45,6 +45,7 @@ from tiered_kv.gpu.plan import (
     PATHS,
     CallDirection,
     LayoutPlan,
+    MoverPath,
     block_span,
     choose_path,
     moved_bytes,
@@ -204,6 +205,27 @@ class CudaMover(KVMover):
         return state
 
     # -- one call ------------------------------------------------------------------------------
+    def _call_path(
+        self,
+        plan: LayoutPlan,
+        transfers: Sequence[ChunkTransfer],
+        nbytes: int,
+        *,
+        whole: bool,
+    ) -> MoverPath:
+        """The layout's path, but under ``auto`` a whole call of at most ``small_call_bytes`` on
+        a staging layout, its objects pinned, runs as mapped kernels (`MoverOptions`)."""
+        options = self.options
+        if (
+            whole
+            and options.path == "auto"
+            and plan.path == "staging"
+            and nbytes <= options.small_call_bytes
+            and all(t.obj.arena.pinned for t in transfers)
+        ):
+            return "mapped"
+        return plan.path
+
     async def _move(
         self,
         direction: CallDirection,
@@ -230,18 +252,19 @@ class CudaMover(KVMover):
         to_host = direction == "gather"
         side = state.store if to_host else state.load
         loop = asyncio.get_running_loop()
+        nbytes = moved_bytes(plan, transfers, to_host, layers)
         call = new_call(
             state,
             side,
             direction,
             hold(transfers) if held is None else held,
-            plan.path,
+            self._call_path(plan, transfers, nbytes, whole=layers is None and load is None),
             start=start,
             trace={} if self.trace is not None else None,
             layers=layers,
             after=after,
             load=load,
-        )  # nbytes is counted once the call is queued: the first DMA should not wait
+        )
         if load is not None:
             load.call_owns_objects = True
         if call.trace is not None:
@@ -254,7 +277,7 @@ class CudaMover(KVMover):
             torch.cuda.synchronize(state.device)
             call.release()
             raise
-        call.nbytes = moved_bytes(plan, transfers, to_host, layers)
+        call.nbytes = nbytes
         if not to_host and load is None:
             caller.wait_event(call.buffers.done)  # the engine's next kernels see the loaded KV
         if call.trace is not None:
@@ -311,8 +334,8 @@ class CudaMover(KVMover):
             call.trace["gpu_start"] = begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             begin.record(caller)
             call.trace["recorded"] = time.perf_counter()
-        call.open(plan, caller, to_host)
-        if plan.path == "dma":
+        call.open(caller, to_host)
+        if call.path == "dma":
             for layers in call.layer_steps():
                 enqueue_dma(plan, side, to_host, block_ids, transfers, layers)
                 call.record_layers(layers, side.dma_stream)
@@ -321,9 +344,12 @@ class CudaMover(KVMover):
         table = self.launcher.block_table(call, block_ids, span, side.kernel_cu)
         if call.trace is not None:
             call.trace["ids"] = time.perf_counter()
-        if plan.path == "mapped":
+        if call.path == "mapped":
+            ctas = self.options.small_call_ctas if plan.path != "mapped" else 0
             for layers in call.layer_steps():
-                self.launcher.enqueue_mapped(state, plan, side, to_host, table, transfers, layers)
+                self.launcher.enqueue_mapped(
+                    state, plan, side, to_host, table, transfers, layers, ctas
+                )
                 call.record_layers(layers, side.kernel_stream)
             buffers.done.record(side.kernel_stream)
             return False
