@@ -157,8 +157,9 @@ def path_choice(value: str) -> PathChoice:
 def choose_path(layout: KVCacheLayout, requested: PathChoice = "auto") -> MoverPath:
     """``auto``: DMA only when every group's rows are contiguous over a whole block (NHD-like), so
     a chunk is a few long runs; otherwise staging, which reaches the DMA ceiling for any layout
-    while using few SMs. The mapped path is never the default: it competes with the model for
-    SMs for the whole transfer (bench/transfer.py measures the matmul slowdown)."""
+    while using few SMs. The mapped path is never a layout's default: with enough CTAs to reach
+    PCIe speed it competes with the model for SMs for the whole transfer (bench/transfer.py
+    measures the matmul slowdown); only small calls use it, with few CTAs (`CudaMover`)."""
     if requested != "auto":
         return requested
     for group in layout.groups:
