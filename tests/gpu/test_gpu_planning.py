@@ -24,6 +24,7 @@ from tiered_kv.gpu.plan import (
     copy_width,
     group_plan,
     moved_bytes,
+    moves_at_most,
     pack_fills,
     runs,
     slot_fills,
@@ -348,6 +349,11 @@ def test_moved_bytes_of_some_layers() -> None:
             == (groups[1] // 2 + groups[2]) * (24 + 32) // 32
         )
         assert moved_bytes(plan, [transfer, whole], False) == obj.nbytes * (24 + 32) // 32
+        # The small-call test stops counting past its limit but agrees with the sum.
+        for to_host in (True, False):
+            total = moved_bytes(plan, [transfer, whole], to_host)
+            assert moves_at_most([transfer, whole], to_host, total)
+            assert not moves_at_most([transfer, whole], to_host, total - 1)
         assert moved_bytes(plan, [], True, range(5)) == 0
     finally:
         obj.unref()

@@ -36,7 +36,7 @@ class BlockTable:
 
     @property
     def inline(self) -> bool:
-        return self.device == 0
+        return self.ids is not None
 
 
 class CallBuffers:

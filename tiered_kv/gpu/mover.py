@@ -49,6 +49,7 @@ from tiered_kv.gpu.plan import (
     block_span,
     choose_path,
     moved_bytes,
+    moves_at_most,
 )
 from tiered_kv.layout import KVCacheLayout
 from tiered_kv.memory import MemoryObj
@@ -209,7 +210,7 @@ class CudaMover(KVMover):
         self,
         plan: LayoutPlan,
         transfers: Sequence[ChunkTransfer],
-        nbytes: int,
+        to_host: bool,
         *,
         whole: bool,
     ) -> MoverPath:
@@ -220,7 +221,7 @@ class CudaMover(KVMover):
             whole
             and options.path == "auto"
             and plan.path == "staging"
-            and nbytes <= options.small_call_bytes
+            and moves_at_most(transfers, to_host, options.small_call_bytes)
             and all(t.obj.arena.pinned for t in transfers)
         ):
             return "mapped"
@@ -252,19 +253,18 @@ class CudaMover(KVMover):
         to_host = direction == "gather"
         side = state.store if to_host else state.load
         loop = asyncio.get_running_loop()
-        nbytes = moved_bytes(plan, transfers, to_host, layers)
         call = new_call(
             state,
             side,
             direction,
             hold(transfers) if held is None else held,
-            self._call_path(plan, transfers, nbytes, whole=layers is None and load is None),
+            self._call_path(plan, transfers, to_host, whole=layers is None and load is None),
             start=start,
             trace={} if self.trace is not None else None,
             layers=layers,
             after=after,
             load=load,
-        )
+        )  # nbytes is counted once the call is queued: the first DMA should not wait
         if load is not None:
             load.call_owns_objects = True
         if call.trace is not None:
@@ -277,7 +277,7 @@ class CudaMover(KVMover):
             torch.cuda.synchronize(state.device)
             call.release()
             raise
-        call.nbytes = nbytes
+        call.nbytes = moved_bytes(plan, transfers, to_host, layers)
         if not to_host and load is None:
             caller.wait_event(call.buffers.done)  # the engine's next kernels see the loaded KV
         if call.trace is not None:

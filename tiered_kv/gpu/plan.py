@@ -183,12 +183,7 @@ def moved_bytes(
     ``layers`` (model layer indexes) restricts them to those layers (a slab's bytes are linear
     in its tokens: one sum of tokens, not one slab per chunk)."""
     if layers is None:
-        total = 0
-        for transfer in transfers:
-            obj = transfer.obj
-            tokens = obj.num_tokens if to_host else obj.num_tokens - transfer.skip_tokens
-            total += obj.nbytes * tokens // obj.num_tokens
-        return total
+        return sum(_chunk_bytes(transfer, to_host) for transfer in transfers)
     counts = plan.layer_counts(layers)
     per_token = sum(
         n * group.slab_bytes(1, 1) for group, n in zip(plan.groups, counts, strict=True)
@@ -197,6 +192,23 @@ def moved_bytes(
         t.obj.num_tokens if to_host else t.obj.num_tokens - t.skip_tokens for t in transfers
     )
     return per_token * tokens
+
+
+def moves_at_most(transfers: Sequence[ChunkTransfer], to_host: bool, limit: int) -> bool:
+    """Whether a whole call of ``transfers`` moves at most ``limit`` bytes (`moved_bytes`,
+    counting no further than the limit: a many-chunk call is decided in a few steps)."""
+    total = 0
+    for transfer in transfers:
+        total += _chunk_bytes(transfer, to_host)
+        if total > limit:
+            return False
+    return True
+
+
+def _chunk_bytes(transfer: ChunkTransfer, to_host: bool) -> int:
+    obj = transfer.obj
+    tokens = obj.num_tokens if to_host else obj.num_tokens - transfer.skip_tokens
+    return obj.nbytes * tokens // obj.num_tokens
 
 
 def block_span(
