@@ -47,6 +47,11 @@ class RemoteUnavailable(RemoteError, ConnectionError):
     """The remote cache cannot be reached (refused, reset, or backing off after failures)."""
 
 
+class RemoteDown(RemoteUnavailable):
+    """Refused without a request: the store is known to be down (its circuit is open) until a
+    background probe finds it answering again."""
+
+
 class RemoteTimeout(RemoteError, TimeoutError):
     """A remote request did not complete within its timeout."""
 

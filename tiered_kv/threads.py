@@ -14,11 +14,17 @@ cancelled caller's buffers are never touched after `run` returns.
 
 Threads: `run` and `aclose` on one event loop; `close` from any thread but a worker's.
 Must not know what its jobs do (files, sockets) or hold references to their buffers.
+
+Also owns the exit barrier (`wait_before_exit`): native clients whose library tears itself down
+from a C ``atexit`` handler (Mooncake's) must not have a call running when the process exits,
+or the teardown frees what the call still uses. The barrier's hook is registered when this
+module is imported, before `tiered_kv.sync`'s, so it runs after every facade was closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -26,8 +32,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from tiered_kv.errors import ConfigError, EngineStateError
 
@@ -55,6 +62,31 @@ def check_thread_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}: expected an int >= 1, got {value!r}")
     return value
+
+
+class ExitWaiter(Protocol):
+    """What the exit barrier waits for: `wait_at_exit` returns once no native call of its is
+    running (or its own bound ran out) and refuses new ones from then on."""
+
+    def wait_at_exit(self) -> None: ...
+
+
+_exit_waiters: weakref.WeakSet[ExitWaiter] = weakref.WeakSet()
+
+
+def wait_before_exit(waiter: ExitWaiter) -> None:
+    """Have the exit barrier wait for ``waiter`` (held weakly: a waiter that is gone has
+    nothing running)."""
+    _exit_waiters.add(waiter)
+
+
+@atexit.register
+def _exit_barrier() -> None:
+    for waiter in list(_exit_waiters):
+        try:
+            waiter.wait_at_exit()
+        except Exception:
+            logger.warning("tiered_kv: waiting for native calls at exit failed", exc_info=True)
 
 
 class Aborted(Exception):

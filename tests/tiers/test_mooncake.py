@@ -1,7 +1,7 @@
 """The L3 tier over a real Mooncake Store (``mooncake_master`` started by the test, see
 tests/mooncake_fixtures.py): bit-exact round trips, engines in two processes sharing chunks,
-the master SIGKILLed mid-load, a writer SIGKILLed (with a pool node, with a second replica), the
-pool full, missing / corrupt / short values, URL errors."""
+a writer SIGKILLed (with a pool node, with a second replica), the pool full, missing / corrupt /
+short values, URL errors. Master outages: tests/faults/test_mooncake_outage.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.kvfactory import expect_copy, make_caches, poison_blocks
+from tests.kvfactory import make_caches, poison_blocks
 from tests.mooncake_fixtures import (  # noqa: F401
     MooncakeMaster,
     master_binary,
@@ -31,7 +31,6 @@ from tests.remote_fixtures import (
     registered_engine,
     retrieve_bit_exact,
     round_trip,
-    store_and_drop_l1,
     tokens_for,
 )
 from tests.tiers.mooncake_writer import FORMAT
@@ -324,67 +323,6 @@ async def test_a_second_replica_serves_once_the_master_drops_a_killed_writer(
     finally:
         stop_process(node)
         master.stop()
-
-
-@pytest.mark.slow
-async def test_master_killed_mid_load_misses_within_the_deadline_then_recovers(
-    mooncake_master: MooncakeMaster,  # noqa: F811
-) -> None:
-    timeout_s = 1.0
-    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=24, block_size=BLOCK)
-    tokens = tokens_for(4 * CHUNK, seed=31)
-    config = engine_config(
-        l3_url=mooncake_master.url(), l3_timeout_s=timeout_s, prefetch_policy="timeout"
-    )
-    async with registered_engine(config, caches) as engine:
-        src = await store_and_drop_l1(engine, caches, tokens)
-        assert await engine.lookup(tokens) == len(tokens)
-        mooncake_master.kill()
-        dst = list(range(12, 20))
-        # Loads and lookups ask a dead master: the first calls fail at once (the connection
-        # closed), later ones block in Mooncake (~4.3 s each) until the deadline ends them.
-        for _ in range(4):
-            started = time.monotonic()
-            assert (await engine.retrieve(tokens, dst)).valid_tokens == 0
-            load_s = time.monotonic() - started
-            started = time.monotonic()
-            assert await engine.lookup(tokens) == 0
-            lookup_s = time.monotonic() - started
-            # Bounded by the deadline, never by Mooncake's own RPC timeout per call.
-            assert load_s < 2 * timeout_s + 1.0, load_s
-            assert lookup_s < timeout_s + 1.0, lookup_s
-        stats = engine.stats().tier("L3")
-        assert stats.hits == 0 and stats.corrupt == 0
-        # A call overran its deadline (the blocking path was taken) and later requests were
-        # refused at once instead of queueing behind it: no pile-up of stuck threads.
-        assert stats.timeouts >= 1
-        assert stats.client["threads"] <= 4
-        # A restarted master (on the same ports) knows no keys; the client reconnects (a
-        # call on a connection to the old master may still fail once: a miss) and remounts
-        # this engine's segment, and new stores land and read back bit-exact from L3.
-        mooncake_master.start()
-        deadline = time.monotonic() + 60
-        seed = 40
-        fresh_dst = list(range(12, 16))
-        while True:
-            fresh = tokens_for(2 * CHUNK, seed=seed)
-            await engine.evict_l1()
-            assert await engine.store(fresh, src[:4]) == len(fresh)
-            assert await engine.flush(timeout=30) == 0
-            await engine.evict_l1()
-            poison_blocks(caches, fresh_dst)
-            before = caches.snapshot()
-            loaded = (await engine.retrieve(fresh, fresh_dst)).valid_tokens
-            if loaded == len(fresh):
-                break
-            assert loaded == 0, loaded  # a prefix of misses, never part of a chunk
-            assert time.monotonic() < deadline, engine.stats()["l3"]
-            await asyncio.sleep(0.5)
-            seed += 1
-        expected = [[tensor.clone() for tensor in layer] for layer in before]
-        expect_copy(caches, expected, before, src[:4], fresh_dst, range(len(fresh)), BLOCK)
-        assert caches.bytes_equal(expected)  # the stored rows, and nothing else, were written
-        assert engine.stats().tier("L3").corrupt == 0
 
 
 def test_mooncake_urls_are_checked_with_clear_errors() -> None:

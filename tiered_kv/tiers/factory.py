@@ -54,6 +54,7 @@ def _mooncake_connector(config: EngineConfig, url: L3Url, token: bytes | None) -
         key_prefix=config.l3_key_prefix,
         timeout_s=config.l3_timeout_s,
         connections=max(default_pool_size() if pool_size is None else pool_size, 8),
+        close_timeout_s=config.close_timeout_s,
     )
 
 

@@ -38,7 +38,7 @@ from tiered_kv.codec import (
     encoded_header_len,
     payload_checksums,
 )
-from tiered_kv.errors import CodecError, ConfigError, EngineStateError
+from tiered_kv.errors import CodecError, ConfigError, EngineStateError, RemoteDown
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
@@ -68,6 +68,7 @@ class RemoteStats(TierStats):
     exists_failures: int = 0
     read_failures: int = 0
     timeouts: int = 0
+    refused_down: int = 0  # requests refused at once: the store is known down (its circuit)
     layout_mismatch: int = 0
     corrupt: int = 0
     corrupt_removed: int = 0
@@ -162,7 +163,10 @@ class RemoteTier(LowerTier):
                 self.events.emit("removed", self.name, key)
 
     def _failed(self, what: str, key: ChunkKey | None, exc: Exception) -> None:
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, RemoteDown):  # the connector logged the outage once
+            self._counters["refused_down"] += 1
+            logger.debug("L3 %s of %s refused: %s", what, _name(key), exc)
+        elif isinstance(exc, TimeoutError):
             self._counters["timeouts"] += 1
             logger.info("L3 %s of %s timed out after %.2fs", what, _name(key), self.timeout_s)
         else:
