@@ -95,6 +95,7 @@ async def test_an_outage_is_noticed_once_then_every_request_misses_at_once_until
             assert await engine.lookup(tokens) == 0
             assert (await engine.retrieve(tokens, dst)).valid_tokens == 0
         elapsed = time.monotonic() - started
+        first_s = engine.stats().tier("L3").read_seconds  # includes the one that noticed it
         # Twenty requests, each of which would have waited ~4.3 s in Mooncake, within one
         # request's deadline in all: the first noticed the outage, the rest were refused.
         assert elapsed < config.l3_timeout_s, elapsed
@@ -107,8 +108,20 @@ async def test_an_outage_is_noticed_once_then_every_request_misses_at_once_until
         assert _circuit_records(caplog, "circuit open") == 1
         # The master comes back on the same ports (knowing no keys): a probe closes the circuit
         # and loads work again without reopening the engine.
+        started = time.monotonic()
+        for _ in range(100):
+            await engine.lookup(tokens)
+        lookup_us = (time.monotonic() - started) / 100 * 1e6
+        restarted = time.monotonic()
         mooncake_master.start()
         await _circuit_closes(engine)
+        closed_s = time.monotonic() - restarted
+        print(
+            f"\nmaster SIGKILLed, l3_timeout_s={config.l3_timeout_s}: 10 lookups + 10 retrieves "
+            f"in {elapsed * 1e3:.1f} ms (L3 read seconds {first_s * 1e3:.1f} ms); a lookup "
+            f"while the circuit is open: {lookup_us:.0f} us; circuit closed {closed_s:.2f} s "
+            "after the master's restart"
+        )
         await _loads_again(engine, caches, src)
         client = engine.stats().tier("L3").client
         assert (client["circuit_opens"], client["circuit_closes"]) == (1, 1)
@@ -147,6 +160,10 @@ async def test_a_hung_master_trips_the_circuit_at_the_stall_limit_and_recovers(
             assert first_s < config.l3_timeout_s / 2, first_s
             assert rest_s < 1.0, rest_s
             assert client["calls_running"] >= 1
+            print(
+                f"\nmaster SIGSTOPped: the first lookup left after {first_s:.2f} s, then 5 "
+                f"retrieves + 5 lookups in {rest_s * 1e3:.1f} ms"
+            )
         finally:
             os.kill(pid, signal.SIGCONT)
         await _circuit_closes(engine)
@@ -187,6 +204,7 @@ def test_closing_right_after_the_master_died_never_crashes(
     assert seen["client"]["circuit_open"] == 1
     assert seen["clients_left_open"] == 0  # nothing was running: torn down at once
     assert seen["close_s"] < 10, seen
+    print(f"\nclose after the master's SIGKILL: {seen['close_s']:.2f} s")
 
 
 @pytest.mark.slow
@@ -200,6 +218,7 @@ def test_closing_with_calls_to_a_hung_master_in_flight_leaves_the_client_and_nev
     assert seen["client"]["calls_running"] >= 1  # in flight when close began
     assert seen["clients_left_open"] == 1
     assert seen["close_s"] < 0.5 + 2.0, seen
+    print(f"\nclose with a call to the hung master in flight: {seen['close_s']:.2f} s")
 
 
 @pytest.mark.slow

@@ -14,7 +14,11 @@ Measures, in one run:
 4. The same through Mooncake Store: ``mooncake_master`` and a pool node (``mooncake_client``
    lending the segment that holds the chunks) in their own processes, and `MooncakeConnector`
    (lending no segment itself, so every byte crosses a socket as with the others), its gets
-   batched; needs the ``mooncake`` extra.
+   batched; needs the ``mooncake`` extra. Its rows are held against the raw socket with as
+   many streams as its transfer engine opened to the pool node for them (counted in /proc).
+
+Every PUT is of a new key (Mooncake answers a put of a key it holds without moving a byte) and
+every GET reads what its round put, into zeroed buffers; rounds remove their keys, untimed.
 5. ``contains_many`` of 512 keys (one round trip) against each.
 
 Usage: ``tiered-kv bench remote [--quick] [--out DIR] [--no-plot]`` (or ``python
@@ -105,49 +109,69 @@ async def put_get(
     in_flight: int,
     rounds: int,
     label: str,
+    before_close: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """PUT then GET ``chunks`` chunks through ``tier``, at most ``in_flight`` at once (the
-    prefetch controller's way: one `get_into` per chunk), ``rounds`` times; GB/s and latency."""
+    prefetch controller's way: one `get_into` per chunk), ``rounds`` times; GB/s and latency.
+
+    Every PUT is of a key the store does not hold (a store may answer a repeated key without
+    moving a byte: Mooncake does), and every GET reads, into zeroed buffers, what the round's
+    PUTs wrote; the round's keys are then removed, untimed, so the store never fills up.
+    ``before_close`` runs while the tier is still open (a connection count, say)."""
     scope = KeyScope("bench", "m", "", 1, 0, layout.layout_id)
     await tier.open()
     sources = [filled_obj(arena, layout, seed) for seed in range(chunks)]
     sinks = [empty_obj(arena, layout) for _ in range(chunks)]
-    keys = [chunk_keys(scope, [i] * CHUNK_TOKENS, CHUNK_TOKENS)[0] for i in range(chunks)]
     put_times: list[float] = []
     get_times: list[float] = []
     frame_bytes = 0
     limit = asyncio.Semaphore(in_flight)
 
-    async def timed(op: Callable[[], Awaitable[bool]], into: list[float]) -> None:
+    def round_keys(round_index: int) -> list[ChunkKey]:
+        first = (round_index + 1) * chunks  # round -1 is the warm-up
+        return [
+            chunk_keys(scope, [first + i] * CHUNK_TOKENS, CHUNK_TOKENS)[0] for i in range(chunks)
+        ]
+
+    async def timed(op: Callable[[], Awaitable[bool]], into: list[float] | None) -> None:
         async with limit:
             started = time.perf_counter()
             if not await op():
                 raise RuntimeError(f"{label}: an operation failed")
-            into.append(time.perf_counter() - started)
+            if into is not None:
+                into.append(time.perf_counter() - started)
 
-    async def all_rounds(ops: list[Callable[[], Awaitable[bool]]], into: list[float]) -> float:
-        """Wall seconds of ``rounds`` rounds, each running ``ops`` (one per chunk)."""
+    async def wall(ops: list[Callable[[], Awaitable[bool]]], into: list[float] | None) -> float:
         started = time.perf_counter()
-        for _ in range(rounds):
-            await asyncio.gather(*(timed(op, into) for op in ops))
+        await asyncio.gather(*(timed(op, into) for op in ops))
         return time.perf_counter() - started
 
+    put_wall = get_wall = 0.0
     try:
-        for key, source, sink in zip(keys, sources, sinks, strict=True):
-            await tier.put(key, source)  # warm-up: connect, allocate on the server
-            await tier.get_into(key, sink)
-        frame_bytes = tier.stats().bytes_written // chunks
-        put_wall = await all_rounds(
-            [functools.partial(tier.put, k, o) for k, o in zip(keys, sources, strict=True)],
-            put_times,
-        )
-        get_wall = await all_rounds(
-            [functools.partial(tier.get_into, k, o) for k, o in zip(keys, sinks, strict=True)],
-            get_times,
-        )
-        for source, sink in zip(sources, sinks, strict=True):
-            if not torch.equal(source.raw(), sink.raw()):
-                raise RuntimeError(f"{label}: a GET returned other bytes than were PUT")
+        for round_index in range(-1, rounds):  # -1: the warm-up (connect, allocate), untimed
+            keys = round_keys(round_index)
+            warm = round_index < 0
+            for sink in sinks:
+                sink.raw().zero_()
+            seconds = await wall(
+                [functools.partial(tier.put, k, o) for k, o in zip(keys, sources, strict=True)],
+                None if warm else put_times,
+            )
+            put_wall += 0.0 if warm else seconds
+            seconds = await wall(
+                [functools.partial(tier.get_into, k, o) for k, o in zip(keys, sinks, strict=True)],
+                None if warm else get_times,
+            )
+            get_wall += 0.0 if warm else seconds
+            for source, sink in zip(sources, sinks, strict=True):
+                if not torch.equal(source.raw(), sink.raw()):
+                    raise RuntimeError(f"{label}: a GET returned other bytes than were PUT")
+            if warm:
+                frame_bytes = tier.stats().bytes_written // chunks
+            for key in keys:
+                await tier.remove(key)
+        if before_close is not None:
+            before_close()
     finally:
         await tier.aclose()
         for obj in (*sources, *sinks):
@@ -168,6 +192,47 @@ async def put_get(
         f"(p50 {result['get_p50_ms']:.1f} ms, p99 {result['get_p99_ms']:.1f} ms)"
     )
     return result
+
+
+def _socket_inodes(pid: int | str) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    return inodes
+
+
+def _tcp_sockets() -> Iterator[tuple[str, int, int]]:
+    """(inode, state, remote port) of every TCP socket of this network namespace (/proc)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+                state = int(fields[3], 16)
+                yield fields[9], state, remote_port if state == _ESTABLISHED else local_port
+
+
+_ESTABLISHED, _LISTEN = 0x01, 0x0A
+
+
+def connections_to(peer_pid: int) -> int:
+    """TCP connections this process holds to any port process ``peer_pid`` listens on (Linux,
+    /proc): how many connections a Mooncake client opened to a pool node, say."""
+    theirs = _socket_inodes(peer_pid)
+    listening = {
+        port for inode, state, port in _tcp_sockets() if state == _LISTEN and inode in theirs
+    }
+    ours = _socket_inodes("self")
+    return sum(
+        1
+        for inode, state, port in _tcp_sockets()
+        if state == _ESTABLISHED and inode in ours and port in listening
+    )
 
 
 async def exists_latency(make_tier: Callable[[], RemoteTier], rounds: int, label: str) -> float:
@@ -213,9 +278,9 @@ def mooncake_binaries() -> tuple[str, str] | None:
 
 
 @contextlib.contextmanager
-def mooncake_pool(binaries: tuple[str, str], segment: str) -> Iterator[str]:
+def mooncake_pool(binaries: tuple[str, str], segment: str) -> Iterator[tuple[str, int]]:
     """A master and a pool node lending ``segment``, each in its own process, on loopback;
-    yields the ``l3_url`` of a client that lends nothing."""
+    yields the ``l3_url`` of a client that lends nothing, and the node's pid."""
     master, node = binaries
     rpc, http, metrics, node_port = (free_port() for _ in range(4))
     master_args = [
@@ -236,13 +301,14 @@ def mooncake_pool(binaries: tuple[str, str], segment: str) -> Iterator[str]:
         f"--port={node_port}",
     ]
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    with process(master_args, rpc, env=env), process(node_args, node_port, env=env):
+    with process(master_args, rpc, env=env), process(node_args, node_port, env=env) as node_proc:
         deadline = time.monotonic() + 30
         while not _pool_capacity(metrics):  # the node's segment is mounted
             if time.monotonic() > deadline:
                 raise RuntimeError("mooncake: the pool node's segment was never mounted")
             time.sleep(0.1)
-        yield f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata&segment=0"
+        url = f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata&segment=0"
+        yield url, node_proc.pid
 
 
 def _pool_capacity(metrics_port: int) -> float:
@@ -283,14 +349,39 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
     exists: dict[str, float] = {}
     striped = f"x{connections}"
 
+    # The sockets each row's load used, where the store opens its own (Mooncake's transfer
+    # engine): the ceiling of that row is the raw socket with as many streams.
+    sockets: dict[str, int] = {}
+
     async def store_rows(
-        name: str, make_tier: Callable[[int | None], RemoteTier], one: str, many: str
+        name: str,
+        make_tier: Callable[[int | None], RemoteTier],
+        one: str,
+        many: str,
+        count_sockets: Callable[[], int] | None = None,
     ) -> None:
         """A store's three rows: PUT/GET one chunk at a time, ``connections`` at once, EXISTS."""
-        results[f"{name} x1"] = await put_get(make_tier(1), layout, arena, 1, 1, 4 * rounds, one)
-        progress.advance(f"{name} x1")
-        results[f"{name} {striped}"] = await put_get(
-            make_tier(None), layout, arena, STRIPED_CHUNKS, connections, max(1, rounds // 2), many
+
+        def counter(row: str) -> Callable[[], None] | None:
+            if count_sockets is None:
+                return None
+            return lambda: sockets.__setitem__(row, count_sockets())
+
+        row = f"{name} x1"
+        results[row] = await put_get(
+            make_tier(1), layout, arena, 1, 1, 4 * rounds, one, counter(row)
+        )
+        progress.advance(row)
+        row = f"{name} {striped}"
+        results[row] = await put_get(
+            make_tier(None),
+            layout,
+            arena,
+            STRIPED_CHUNKS,
+            connections,
+            max(1, rounds // 2),
+            many,
+            counter(row),
         )
         progress.advance(f"{name} {striped}")
         exists[name] = await exists_latency(
@@ -345,7 +436,7 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
             from tiered_kv.config import parse_l3_url
             from tiered_kv.tiers.remote.mooncake_store import MooncakeConnector
 
-            with mooncake_pool(mooncake, "1GB") as url:
+            with mooncake_pool(mooncake, "1GB") as (url, node_pid):
                 options = parse_l3_url(url).mooncake
                 assert options is not None
 
@@ -360,7 +451,15 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
                     mooncake_tier,
                     "mooncake, 1 in flight",
                     f"mooncake, {connections} in flight (batched)",
+                    functools.partial(connections_to, node_pid),
                 )
+            for row_name, count in sockets.items():
+                log(f"{row_name}: {count} TCP connections to the pool node")
+                if count and count not in raw:  # its ceiling, measured in this run too
+                    raw[count] = ceilings.loopback_tcp_gbps(
+                        count, message_bytes=size, total_bytes=(1 if args.quick else 4) << 30
+                    )
+                    log(f"raw socket, {count} streams: {raw[count]:.2f} GB/s")
     finally:
         progress.close()
         leaked = arena.close()
@@ -410,9 +509,14 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
             print(f"  tkv {shape} GET / redis     {get_ratio:6.2f}  (>= 2)")
         moon = results.get(f"mooncake {shape}")
         if moon is not None:
-            put_ratio, get_ratio = moon["put_gbps"] / bound, moon["get_gbps"] / bound
-            print(f"  mooncake {shape} PUT / raw x{streams}  {put_ratio:6.2f}")
-            print(f"  mooncake {shape} GET / raw x{streams}  {get_ratio:6.2f}")
+            # Against the raw socket with as many streams as Mooncake opened for the row.
+            opened = sockets.get(f"mooncake {shape}") or streams
+            moon_bound = raw[opened]
+            put_ratio, get_ratio = moon["put_gbps"] / moon_bound, moon["get_gbps"] / moon_bound
+            print(
+                f"  mooncake {shape} PUT / raw x{opened}  {put_ratio:6.2f}  (its {opened} sockets)"
+            )
+            print(f"  mooncake {shape} GET / raw x{opened}  {get_ratio:6.2f}")
     print(f"  tkv EXISTS x512 p50 ms     {exists['tkv']:6.3f}  (< 2)")
     return 0
 

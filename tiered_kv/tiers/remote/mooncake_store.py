@@ -674,7 +674,8 @@ class MooncakeConnector(RemoteConnector):
         names = [request.name for request in batch]
         # The master round trip: no buffer is lent, so callers may leave at their deadline.
         codes = await self._abandonable(lambda store: store.batch_get_session_start(names))
-        self._check_master_codes(codes, "batch_get_session_start")
+        if 0 not in codes:  # no session to end
+            self._check_master_codes(codes, "batch_get_session_start")
         started = [name for name, code in zip(names, codes, strict=True) if code == 0]
         ready: list[_Request[FetchStatus]] = []
         for request, code in zip(batch, codes, strict=True):
@@ -684,6 +685,9 @@ class MooncakeConnector(RemoteConnector):
                 ready.append(request)
             elif code == OBJECT_NOT_FOUND:
                 request.future.set_result(FetchStatus.MISSING)
+            elif code in MASTER_UNREACHABLE:
+                self._trip(f"batch_get_session_start: code {code}")
+                request.future.set_exception(RemoteDown(f"mooncake get: master down ({code})"))
             else:
                 request.future.set_exception(RemoteError(f"mooncake get of a chunk: code {code}"))
         for request in ready:
@@ -771,11 +775,13 @@ class MooncakeConnector(RemoteConnector):
         finally:
             for request in batch:
                 request.release()
-        self._check_master_codes([code for code in codes if isinstance(code, int)], "put")
         for request, code in zip(batch, codes, strict=True):
             if request.future.done():
                 continue
-            if isinstance(code, Exception):
+            if isinstance(code, int) and code in MASTER_UNREACHABLE:
+                self._trip(f"put: code {code}")
+                request.future.set_exception(RemoteDown(f"mooncake put: master down ({code})"))
+            elif isinstance(code, Exception):
                 request.future.set_exception(code)
             elif code == 0:
                 request.future.set_result(None)
@@ -859,11 +865,13 @@ class MooncakeConnector(RemoteConnector):
         return await self._pool.run(functools.partial(self._client.call, call))
 
     def _check_master_codes(self, codes: Sequence[int], what: str) -> None:
-        """Trip the circuit when ``codes`` say the master did not answer."""
+        """When ``codes`` say the master did not answer: trip the circuit and raise
+        `RemoteDown` (the request is a miss like those refused after it)."""
         for code in codes:
             if code in MASTER_UNREACHABLE:
-                self._trip(f"{what}: code {code}")
-                return
+                reason = f"{what}: code {code}"
+                self._trip(reason)
+                raise RemoteDown(f"mooncake: master down ({reason})")
 
     def _trip(self, reason: str) -> None:
         """Open the circuit and release every caller waiting on a master round trip."""
