@@ -513,9 +513,7 @@ async def run(args: argparse.Namespace, plt: Any) -> int:
             opened = sockets.get(f"mooncake {shape}") or streams
             moon_bound = raw[opened]
             put_ratio, get_ratio = moon["put_gbps"] / moon_bound, moon["get_gbps"] / moon_bound
-            print(
-                f"  mooncake {shape} PUT / raw x{opened}  {put_ratio:6.2f}  (its {opened} sockets)"
-            )
+            print(f"  mooncake {shape} PUT / raw x{opened}  {put_ratio:6.2f}  ({opened} sockets)")
             print(f"  mooncake {shape} GET / raw x{opened}  {get_ratio:6.2f}")
     print(f"  tkv EXISTS x512 p50 ms     {exists['tkv']:6.3f}  (< 2)")
     return 0
