@@ -20,6 +20,7 @@ from tiered_kv import (
 )
 from tiered_kv.gpu.reference import TorchMover
 from tiered_kv.layout import KVCacheLayout
+from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
 TOKENS = list(range(1000, 1100))  # 100 tokens: 3 full chunks of 32 and a partial of 4
@@ -187,6 +188,64 @@ async def test_l1_too_small_for_a_chunk_skips_the_store() -> None:
         stats = engine.stats()
         assert stats.engine.store_skipped_no_space == 4
         assert stats.arena.used == 0
+
+
+# One 32-token chunk of these caches (2 layers x 2 x 8 heads x 128 x bf16) is 256 KiB.
+_BIG_CHUNK = {"num_heads": 8, "head_size": 128}
+_LONG = list(range(5000, 5000 + 16 * 32))  # 16 chunks: 4 MiB of KV
+
+
+@pytest.mark.parametrize("write_queue", [256, 2])
+async def test_a_prompt_larger_than_l1_streams_through_it_to_l2(
+    tmp_path: Path, write_queue: int
+) -> None:
+    """A 4 MiB prompt through a 1 MiB L1: the store waits for L2's writes to free room and
+    stores it whole (a write queue shorter than L1's chunks never drops one); then every chunk
+    reads back bit-exact from L2."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=70, **_BIG_CHUNK)
+    config = _config(
+        l1_size="1MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False, lower_write_queue=write_queue
+    )
+    src, dst = list(range(1, 33)), list(range(33, 65))
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(_LONG, src) == len(_LONG)
+        stats = engine.stats()
+        assert stats.engine.store_skipped_no_space == 0
+        writes = stats.storage.tiers[0].writes
+        assert writes is not None and writes.dropped_full == 0
+        assert await engine.flush(timeout=30) == 0
+        assert engine.stats().storage.tiers[0].writes.done == 16  # type: ignore[union-attr]
+        await engine.evict_l1()
+        reference = caches.snapshot()
+        poison_blocks(caches, dst)
+        expected = caches.snapshot()
+        assert (await engine.retrieve(_LONG, dst)).valid_tokens == len(_LONG)
+        expect_copy(caches, expected, reference, src, dst, range(len(_LONG)), 16)
+        assert caches.bytes_equal(expected)
+
+
+@pytest.mark.parametrize("how", ["no lower tier", "store_wait_s=0", "writes too slow"])
+async def test_a_prompt_larger_than_l1_keeps_what_fits_when_nothing_below_frees_room(
+    how: str,
+) -> None:
+    """Without a tier below (nothing will free room), with ``store_wait_s=0``, or when the
+    writes do not free room within ``store_wait_s``: L1 keeps its 4 chunks, the other 12 are
+    skipped and counted, and the store never waits past its bound."""
+    caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=40, **_BIG_CHUNK)
+    lower: list[LowerTier] = []
+    if how != "no lower tier":
+        lower = [FaultyTier(MemoryTier(), put_delay_s=5.0)]
+    wait_s = {"no lower tier": 10.0, "store_wait_s=0": 0.0, "writes too slow": 0.3}[how]
+    async with TieredKVEngine(
+        _config(l1_size="1MiB", store_wait_s=wait_s, close_timeout_s=0.05), lower_tiers=lower
+    ) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        started = asyncio.get_running_loop().time()
+        assert await engine.store(_LONG, list(range(1, 33))) == 4 * 32
+        elapsed = asyncio.get_running_loop().time() - started
+        assert engine.stats().engine.store_skipped_no_space == 12
+        assert elapsed < wait_s + 2.0, elapsed  # bounded by store_wait_s, not by the writes
 
 
 async def test_clean_close_flushes_pending_l2_writes(tmp_path: Path) -> None:

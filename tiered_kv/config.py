@@ -50,6 +50,7 @@ _INT_FIELDS = (
 _AUTO_INT_FIELDS = ("prefetch_concurrency", "l2_io_threads")
 _FLOAT_FIELDS = (
     "close_timeout_s",
+    "store_wait_s",
     "prefetch_timeout_base_s",
     "prefetch_timeout_per_1k_tokens_s",
     "prefetch_l1_fraction",
@@ -116,6 +117,9 @@ class EngineConfig:
         serving path never blocks on a lower tier.
     close_timeout_s: how long ``aclose()`` lets calls in flight finish and waits for pending
         lower-tier writes (L2, L3, custom tiers) before cancelling and dropping them.
+    store_wait_s: how long, in all, a store larger than L1's free room waits for lower-tier
+        writes to free L1 room as it streams through; the chunks still left then are skipped
+        and counted (``store_skipped_no_space``). 0 never waits (L1 keeps what fits).
     pin_memory: pin the arena; None means "when CUDA is available".
     l2_fsync: fsync each L2 file and its directory before it becomes visible (crash safety).
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
@@ -162,6 +166,7 @@ class EngineConfig:
     fingerprint: str = ""
     lower_write_queue: int = _DEFAULT_WRITE_QUEUE
     close_timeout_s: float = 30.0
+    store_wait_s: float = 10.0
     pin_memory: bool | None = None
     l2_fsync: bool = True
     prefetch_policy: PrefetchPolicy = "wait_complete"
@@ -200,6 +205,8 @@ class EngineConfig:
         self._check_write_queue()
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s: must be >= 0, got {self.close_timeout_s}")
+        if not self.store_wait_s >= 0:
+            raise ConfigError(f"store_wait_s: must be >= 0, got {self.store_wait_s}")
         self._validate_policies()
 
     def _check_write_queue(self) -> None:

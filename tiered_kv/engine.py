@@ -288,8 +288,10 @@ class TieredKVEngine:
     ) -> int:
         """Copy the request's KV into the cache, chunk by chunk; returns tokens newly stored.
 
-        Chunks some tier already holds are skipped. When L1 has no room even after evicting
-        everything unreferenced, the remaining chunks are skipped (counted), not an error.
+        Chunks some tier already holds are skipped. A prompt larger than L1's room streams
+        through it: when L1 (or a write_through queue) is full, the store waits for lower-tier
+        writes to free room, ``store_wait_s`` in all; the chunks left when no write is pending
+        (no tier below) or that time ran out are skipped (counted), not an error.
         ``skip_prefix_tokens`` (a whole number of chunks) leaves the chunks before it out: their
         blocks need not hold their KV (a sliding-window layer group has dropped them).
         """
@@ -303,19 +305,49 @@ class TieredKVEngine:
                 f"chunks of {self.config.chunk_size}"
             )
         self._counters.store_calls += 1
-        staged: list[tuple[ChunkKey, ChunkTransfer]] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.store_wait_s
+        first = skip_prefix_tokens // self.config.chunk_size
+        stored = 0
         try:
-            first = skip_prefix_tokens // self.config.chunk_size
-            staged = self._stage(runtime, request, first=first)
+            # A prompt larger than L1's free room streams through it: each window is what L1
+            # (and the write queues) can take now; lower-tier writes free room for the next.
+            while True:
+                staged, stopped = self._stage(
+                    runtime, request, first=first, limit=runtime.storage.write_room()
+                )
+                stored += await self._store_window(runtime, request, ids, staged)
+                if stopped is None:
+                    break
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await runtime.storage.wait_for_room(remaining):
+                    self._counters.store_skipped_no_space += len(request.keys) - stopped
+                    break
+                first = stopped
+        finally:
+            self._counters.stored_tokens += stored
+        return stored
+
+    async def _store_window(
+        self,
+        runtime: EngineRuntime,
+        request: Request,
+        block_ids: Sequence[int],
+        staged: list[tuple[ChunkKey, ChunkTransfer]],
+    ) -> int:
+        """Gather ``staged`` (the caller's objects, released here) and commit them; the tokens
+        newly stored."""
+        try:
             if not staged:
                 return 0
-            await runtime.mover.gather(request.layout, ids, [transfer for _, transfer in staged])
+            await runtime.mover.gather(
+                request.layout, block_ids, [transfer for _, transfer in staged]
+            )
             stored = 0
             for key, transfer in staged:
                 if runtime.storage.commit(key, transfer.obj):
                     stored += transfer.obj.num_tokens
                     self._counters.stored_chunks += 1
-            self._counters.stored_tokens += stored
             return stored
         finally:
             for _, transfer in staged:
@@ -654,7 +686,12 @@ class TieredKVEngine:
         ids = request.block_ids(block_ids)
         self._counters.store_calls += 1
         self._counters.store_layerwise_calls += 1
-        staged = self._stage(runtime, request)
+        # Layer by layer, every chunk's object must exist before the first layer lands: a
+        # prompt larger than L1 keeps what fits (streaming it would commit chunks before their
+        # last layer).
+        staged, stopped = self._stage(runtime, request)
+        if stopped is not None:
+            self._counters.store_skipped_no_space += len(request.keys) - stopped
         store = LayerwiseStore(
             runtime.storage,
             runtime.mover,
@@ -672,32 +709,37 @@ class TieredKVEngine:
         self._counters.stored_tokens += store.stored_tokens
 
     def _stage(
-        self, runtime: EngineRuntime, request: Request, *, first: int = 0
-    ) -> list[tuple[ChunkKey, ChunkTransfer]]:
+        self,
+        runtime: EngineRuntime,
+        request: Request,
+        *,
+        first: int = 0,
+        limit: int | None = None,
+    ) -> tuple[list[tuple[ChunkKey, ChunkTransfer]], int | None]:
         """Allocate L1 objects for the chunks from ``first`` on that no tier holds, in order,
-        until L1 is full (the rest are skipped and counted, not an error). The caller owns the
-        objects."""
+        at most ``limit`` of them, until L1 is full. Returns them (the caller owns them) and the
+        index of the first chunk left out (None when none was)."""
         storage = runtime.storage
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         desc = request.layout.layout_desc
         keys = request.keys
         try:
-            for index, key in enumerate(keys):
-                if index < first:
-                    continue
+            for index in range(first, len(keys)):
+                key = keys[index]
                 if storage.tier_of(key) is not None:
                     self._counters.store_skipped_present += 1
                     continue
+                if limit is not None and len(staged) >= limit:
+                    return staged, index
                 obj = storage.allocate(desc, request.chunk_tokens(index))
                 if obj is None:
-                    self._counters.store_skipped_no_space += len(keys) - index
-                    break
+                    return staged, index
                 staged.append((key, ChunkTransfer(obj, index * self.config.chunk_size)))
         except BaseException:
             for _, transfer in staged:
                 transfer.obj.unref()
             raise
-        return staged
+        return staged, None
 
     # -- introspection ----------------------------------------------------------------------
     @property

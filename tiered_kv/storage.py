@@ -222,6 +222,7 @@ class StorageManager:
         self._hit_counts: OrderedDict[ChunkKey, int] = OrderedDict()
         self._touched: dict[ChunkKey, None] = {}  # L1 hits not yet passed down, oldest first
         self._touch_wanted = asyncio.Event()
+        self._write_ended = asyncio.Event()  # set by each lower-tier write that ends
         self._toucher: asyncio.Task[None] | None = None
         self.touches_sent = 0
         self.touch_failures = 0
@@ -353,6 +354,29 @@ class StorageManager:
                 self._enqueue(wq, key, obj)
         return True
 
+    def write_room(self) -> int | None:
+        """Commits the write_through queues can take now without dropping a write (the least
+        over them); None when no tier is written at commit."""
+        rooms = [
+            wq.queue.maxsize - wq.queue.qsize() for wq in self._queues if wq.policy == WRITE_THROUGH
+        ]
+        return min(rooms) if rooms else None
+
+    async def wait_for_room(self, timeout: float) -> bool:
+        """Wait until a lower-tier write ends: its chunk may then leave L1 (a write_through
+        copy is now below; a write_back demotion lets its bytes go) and its queue slot is free.
+        False at once when no write is pending (nothing below will free room), or at
+        ``timeout``."""
+        if not any(wq.pending for wq in self._queues):
+            return False
+        self._write_ended.clear()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._write_ended.wait()
+        except TimeoutError:
+            return False
+        return True
+
     def record_hit(self, key: ChunkKey, obj: MemoryObj) -> None:
         """A chunk was delivered to a request: count it, admit it to selective tiers at N."""
         if not self._selective:
@@ -441,6 +465,7 @@ class StorageManager:
                 wq.pending.discard(key)
                 obj.unref()
                 wq.queue.task_done()
+                self._write_ended.set()
                 if wq.policy == WRITE_BACK:
                     self._settle(key)
 
