@@ -311,11 +311,19 @@ class TieredKVEngine:
         stored = 0
         try:
             # A prompt larger than L1's free room streams through it: each window is what L1
-            # (and the write queues) can take now; lower-tier writes free room for the next.
+            # and the write_through queues can take now (a dropped write of a streamed chunk
+            # would lose it when the next window evicts it); lower-tier writes free room for
+            # the next. A store that fits in L1 never waits: a full queue drops (counted).
+            streaming = False
             while True:
-                staged, stopped = self._stage(
-                    runtime, request, first=first, limit=runtime.storage.write_room()
-                )
+                staged, stopped = self._stage(runtime, request, first=first)
+                streaming = streaming or stopped is not None
+                room = runtime.storage.write_room() if streaming else None
+                if room is not None and len(staged) > room:
+                    staged, spare = staged[:room], staged[room:]
+                    stopped = spare[0][1].token_start // self.config.chunk_size
+                    for _, transfer in spare:
+                        transfer.obj.unref()
                 stored += await self._store_window(runtime, request, ids, staged)
                 if stopped is None:
                     break
@@ -714,11 +722,10 @@ class TieredKVEngine:
         request: Request,
         *,
         first: int = 0,
-        limit: int | None = None,
     ) -> tuple[list[tuple[ChunkKey, ChunkTransfer]], int | None]:
         """Allocate L1 objects for the chunks from ``first`` on that no tier holds, in order,
-        at most ``limit`` of them, until L1 is full. Returns them (the caller owns them) and the
-        index of the first chunk left out (None when none was)."""
+        until L1 is full. Returns them (the caller owns them) and the index of the first chunk
+        left out (None when none was)."""
         storage = runtime.storage
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         desc = request.layout.layout_desc
@@ -729,8 +736,6 @@ class TieredKVEngine:
                 if storage.tier_of(key) is not None:
                     self._counters.store_skipped_present += 1
                     continue
-                if limit is not None and len(staged) >= limit:
-                    return staged, index
                 obj = storage.allocate(desc, request.chunk_tokens(index))
                 if obj is None:
                     return staged, index
