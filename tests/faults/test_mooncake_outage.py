@@ -203,7 +203,9 @@ def test_closing_right_after_the_master_died_never_crashes(
     assert (seen["looked_up"], seen["loaded"]) == (0, 0)
     assert seen["client"]["circuit_open"] == 1
     assert seen["clients_left_open"] == 0  # nothing was running: torn down at once
-    assert seen["close_s"] < 10, seen
+    # Mooncake's own teardown against a dead master (its unmount waits out the reconnect loop)
+    # took 7 s here; the bound is close_timeout_s (30 s), with margin.
+    assert seen["close_s"] < 20, seen
     print(f"\nclose after the master's SIGKILL: {seen['close_s']:.2f} s")
 
 
