@@ -4,14 +4,14 @@ Measures, in one run:
 1. `await engine.lookup(tokens)` of a 131072-token prompt (512 chunks of 256, every chunk in L1),
    token ids as a Python list and as 1-D int32 / int64 tensors, plus its parts
    (`keys.token_bytes`, `keys.chunk_hashes`, `keys.chunk_keys`).
-2. L2 (`DiskTier`, fsync=True) write and read throughput for 8, 16 and 32 MiB chunks against
-   the ceiling of the same directory: plain os.write + fsync of the same memoryviews, and plain
-   readinto into the same buffers (best of one readinto and a 4 KiB read then one readinto), one
-   file per chunk. Contenders alternate file by file. Reads are timed twice: from the page cache
-   (files just written) and right after posix_fadvise(DONTNEED) on the file read. A third
-   contender writes and reads the same way through aiofiles, hashing as DiskTier does (one
-   await per call, each made cancel-safe as DiskTier's thread hop is): the figures behind not
-   using aiofiles in the L2 tier.
+2. L2 (`DiskTier`, durability="per_write") write and read throughput for 8, 16 and 32 MiB chunks
+   against the ceiling of the same directory: plain os.write + fsync of the same memoryviews, and
+   plain readinto into the same buffers (best of one readinto and a 4 KiB read then one readinto),
+   one file per chunk. Contenders alternate file by file. Reads are timed twice: from the page cache
+   (files just written) and right after posix_fadvise(DONTNEED) on the file read. A third contender
+   writes and reads the same way through aiofiles, hashing as DiskTier does (one await per call,
+   each made cancel-safe as DiskTier's thread hop is): the figures behind not using aiofiles in the
+   L2 tier.
 3. CPU-side cost per chunk of `store` and `retrieve` through a mover that moves nothing.
 
 Usage: ``python bench/core.py [--quick] [--dir DIR] [--json OUT] [--profile]``. Progress and
@@ -432,7 +432,7 @@ async def l2_round(
     l2_root = round_dir / "l2"
     # DiskTier's documented file layout: root/<first 2 hex>/<key hex>
     l2_paths = [l2_root / key.hex[:2] / key.hex for key in keys]
-    tier = DiskTier(l2_root, capacity=capacity, fsync=True)
+    tier = DiskTier(l2_root, capacity=capacity, durability="per_write")
     await tier.open()
 
     async def ours_write(i: int) -> None:
@@ -493,7 +493,8 @@ async def l2_round(
 async def bench_l2(params: Params, workdir: Path, rows: list[Row], results: dict[str, Any]) -> None:
     total = params.l2_bytes_per_size
     log(
-        f"[L2] DiskTier(fsync=True) vs raw os.write+fsync / readinto, {total // MiB} MiB per "
+        f"[L2] DiskTier(durability=per_write) vs raw os.write+fsync / readinto, "
+        f"{total // MiB} MiB per "
         f"chunk size, 1 warm-up + {params.l2_rounds} rounds, contenders interleaved file by "
         f"file, under {workdir}"
     )

@@ -229,7 +229,7 @@ ROUND_TRIP_CASES = [("vllm_nhd", torch.bfloat16), ("mla", torch.int8), ("separat
 
 def engine_config(**overrides: object) -> EngineConfig:
     """An engine of `CHUNK`-token chunks and 8 MiB of L1 whose L2, if any, skips fsync."""
-    fields: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l2_fsync": False}
+    fields: dict[str, object] = {"chunk_size": CHUNK, "l1_size": "8MiB", "l2_durability": "none"}
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
 

@@ -320,15 +320,20 @@ def test_from_env_pin_memory(raw: str, expected: bool | None) -> None:
     assert EngineConfig.from_env({"TIERED_KV_PIN_MEMORY": raw}).pin_memory is expected
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("0", False), ("off", False)])
-def test_from_env_l2_fsync(raw: str, expected: bool) -> None:
-    assert EngineConfig.from_env({"TIERED_KV_L2_FSYNC": raw}).l2_fsync is expected
+@pytest.mark.parametrize("raw", ["none", "batched", "per_write"])
+def test_from_env_l2_durability(raw: str) -> None:
+    config = EngineConfig.from_env({"TIERED_KV_L2_DURABILITY": raw})
+    assert config.l2_durability == raw
 
 
-@pytest.mark.parametrize("raw", ["auto", ""])
-def test_from_env_l2_fsync_has_no_auto(raw: str) -> None:
-    with pytest.raises(ConfigError, match=r"^TIERED_KV_L2_FSYNC: expected true/false"):
-        EngineConfig.from_env({"TIERED_KV_L2_FSYNC": raw})
+def test_l2_durability_and_its_interval_are_checked() -> None:
+    assert EngineConfig().l2_durability == "batched"
+    with pytest.raises(ConfigError, match=r"l2_durability: expected one of .*'fsync'"):
+        EngineConfig(l2_durability="fsync")  # type: ignore[arg-type]
+    for bad in (0, -1.0, True, "0.1"):
+        with pytest.raises(ConfigError, match="l2_sync_interval_s: expected a number > 0"):
+            EngineConfig(l2_sync_interval_s=bad)  # type: ignore[arg-type]
+    assert EngineConfig.from_env({"TIERED_KV_L2_SYNC_INTERVAL_S": "0.5"}).l2_sync_interval_s == 0.5
 
 
 def test_from_env_bad_bool() -> None:

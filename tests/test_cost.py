@@ -242,6 +242,7 @@ def _drop_page_cache(root: Path) -> None:
         if path.is_file() and not path.name.startswith("."):
             fd = os.open(path, os.O_RDONLY)
             try:
+                os.fsync(fd)  # dirty pages (batched durability) are not dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)

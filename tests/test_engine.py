@@ -204,7 +204,10 @@ async def test_a_prompt_larger_than_l1_streams_through_it_to_l2(
     reads back bit-exact from L2."""
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=70, **_BIG_CHUNK)
     config = _config(
-        l1_size="1MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False, lower_write_queue=write_queue
+        l1_size="1MiB",
+        l2_path=str(tmp_path / "l2"),
+        l2_durability="none",
+        lower_write_queue=write_queue,
     )
     src, dst = list(range(1, 33)), list(range(33, 65))
     async with TieredKVEngine(config) as engine:

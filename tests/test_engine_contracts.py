@@ -33,7 +33,7 @@ async def test_retrieve_of_a_prefix_grown_since_lookup_extends_its_handle(tmp_pa
     prompt = _tokens(5 * CHUNK)
     src, dst = list(range(20)), list(range(24, 44))
     config = EngineConfig(
-        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False
+        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_durability="none"
     )
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
@@ -73,7 +73,7 @@ async def test_a_hot_prefix_served_from_l1_survives_l2_eviction_and_a_restart(
             l1_size="4MiB",
             l2_path=str(tmp_path / "l2"),
             l2_size=6 * chunk_bytes + 6 * 4096,
-            l2_fsync=False,
+            l2_durability="none",
         )
 
     async def serve_turns(engine: TieredKVEngine, first: int, count: int) -> None:
@@ -105,7 +105,7 @@ async def test_close_with_calls_in_flight_keeps_what_was_reported_stored(tmp_pat
     a reopen, calls still running at the deadline end cleanly, and no host byte leaks."""
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=64, block_size=16)
     config = EngineConfig(
-        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False
+        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_durability="none"
     )
     prompts = [list(range(10_000 * (i + 1), 10_000 * (i + 1) + 3 * CHUNK)) for i in range(6)]
     blocks = list(range(12))

@@ -33,7 +33,9 @@ from tiered_kv import EngineConfig, SyncTieredKVEngine
 
 def serve() -> None:
     caches = make_caches("vllm_nhd", torch.bfloat16, num_blocks=64, seed=7)
-    config = EngineConfig(chunk_size=32, l1_size="8MiB", l2_path=sys.argv[1], l2_fsync=True)
+    config = EngineConfig(
+        chunk_size=32, l1_size="8MiB", l2_path=sys.argv[1], l2_durability="per_write"
+    )
     engine = SyncTieredKVEngine(config)
     engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
     tokens = list(range(5000, 5000 + 32 * 12))

@@ -36,7 +36,7 @@ def _tokens(n: int, seed: int = 3) -> list[int]:
 
 
 def _config(tmp_path: Path | None = None, **kw: object) -> EngineConfig:
-    l2 = {} if tmp_path is None else {"l2_path": str(tmp_path / "l2"), "l2_fsync": False}
+    l2 = {} if tmp_path is None else {"l2_path": str(tmp_path / "l2"), "l2_durability": "none"}
     return EngineConfig(chunk_size=CHUNK, l1_size="16MiB", **l2, **kw)  # type: ignore[arg-type]
 
 

@@ -233,7 +233,7 @@ def round_trip_or_refusal(case: Case, data: st.DataObject, mover: KVMover | None
     skip = multiple * data.draw(st.integers(0, usable // multiple))
     tokens = data.draw(st.lists(st.integers(0, 50_000), min_size=num_tokens, max_size=num_tokens))
     with tempfile.TemporaryDirectory() as tmp:
-        config = EngineConfig(chunk_size=chunk, l1_size="4MiB", l2_path=tmp, l2_fsync=False)
+        config = EngineConfig(chunk_size=chunk, l1_size="4MiB", l2_path=tmp, l2_durability="none")
         with SyncTieredKVEngine(config, mover=mover) as engine:
             try:
                 engine.register_kv_caches(case.entries, model_name="m", layout_hints=case.hints)

@@ -29,7 +29,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def _config(tmp_path: Path, **kw: object) -> EngineConfig:
     return EngineConfig(
-        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False, **kw
+        chunk_size=CHUNK, l1_size="16MiB", l2_path=str(tmp_path / "l2"), l2_durability="none", **kw
     )
 
 

@@ -39,7 +39,7 @@ async def test_stores_and_evictions_of_every_tier_are_events(
     caches = make_caches("vllm_nhd", torch.float16, num_blocks=32, block_size=BLOCK)
     tokens = tokens_for(3 * CHUNK + BLOCK, seed=3)  # three whole chunks and a partial one
     config = EngineConfig(
-        chunk_size=CHUNK, l1_size="8MiB", l2_path=str(tmp_path), l2_fsync=False,
+        chunk_size=CHUNK, l1_size="8MiB", l2_path=str(tmp_path), l2_durability="none",
         l3_url=tkv_server.url,
     )  # fmt: skip
     async with TieredKVEngine(config) as engine:
@@ -86,7 +86,7 @@ async def test_l2_eviction_for_room_is_announced(tmp_path: Path) -> None:
         desc = engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
     frame = desc.nbytes(CHUNK) + 4096  # a chunk's file: its payload and a header page
     config = EngineConfig(
-        chunk_size=CHUNK, l1_size="8MiB", l2_path=str(tmp_path), l2_fsync=False,
+        chunk_size=CHUNK, l1_size="8MiB", l2_path=str(tmp_path), l2_durability="none",
         l2_size=3 * frame + 100,
     )  # fmt: skip
     async with TieredKVEngine(config) as engine:

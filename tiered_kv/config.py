@@ -36,9 +36,11 @@ _SIZE_UNITS = {
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 LoadPolicy = Literal["cost", "always"]
 WritePolicy = Literal["write_through", "write_back", "selective"]
+L2Durability = Literal["none", "batched", "per_write"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 LOAD_POLICIES: tuple[LoadPolicy, ...] = get_args(LoadPolicy)
 WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
+L2_DURABILITIES: tuple[L2Durability, ...] = get_args(L2Durability)
 _INT_FIELDS = (
     "chunk_size",
     "lower_write_queue",
@@ -51,6 +53,7 @@ _AUTO_INT_FIELDS = ("prefetch_concurrency", "l2_io_threads")
 _FLOAT_FIELDS = (
     "close_timeout_s",
     "store_wait_s",
+    "l2_sync_interval_s",
     "prefetch_timeout_base_s",
     "prefetch_timeout_per_1k_tokens_s",
     "prefetch_l1_fraction",
@@ -121,7 +124,15 @@ class EngineConfig:
         writes to free L1 room as it streams through; the chunks still left then are skipped
         and counted (``store_skipped_no_space``). 0 never waits (L1 keeps what fits).
     pin_memory: pin the arena; None means "when CUDA is available".
-    l2_fsync: fsync each L2 file and its directory before it becomes visible (crash safety).
+    l2_durability: when L2's writes reach the disk itself, not only the page cache:
+        "batched" (the default: every ``l2_sync_interval_s``, one ``syncfs`` for all the writes
+        since the last), "per_write" (each file and its directory fsynced before it becomes
+        visible, the put returning after), or "none" (when the kernel writes them back). A
+        chunk is visible once its file is renamed into place whole and every read checks its
+        checksums, so a crash (of the machine; a killed process loses nothing the kernel has)
+        may lose the chunks written since the last sync and never serves a torn one
+        (docs/architecture.md, "L2 disk tier").
+    l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
         in L1 now), "wait_complete" (wait for every load), "timeout" (wait at most
         ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_1k_tokens_s`` per 1000 tokens
@@ -168,7 +179,8 @@ class EngineConfig:
     close_timeout_s: float = 30.0
     store_wait_s: float = 10.0
     pin_memory: bool | None = None
-    l2_fsync: bool = True
+    l2_durability: L2Durability = "batched"
+    l2_sync_interval_s: float = 0.1
     prefetch_policy: PrefetchPolicy = "wait_complete"
     prefetch_timeout_base_s: float = 0.005
     prefetch_timeout_per_1k_tokens_s: float = 0.002
@@ -217,6 +229,13 @@ class EngineConfig:
             raise ConfigError(f"lower_write_queue: must be >= 1, got {value}")
 
     def _validate_policies(self) -> None:
+        if self.l2_durability not in L2_DURABILITIES:
+            raise ConfigError(
+                f"l2_durability: expected one of {L2_DURABILITIES}, got {self.l2_durability!r}"
+            )
+        interval = self.l2_sync_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
+            raise ConfigError(f"l2_sync_interval_s: expected a number > 0, got {interval!r}")
         if self.load_policy not in LOAD_POLICIES:
             raise ConfigError(
                 f"load_policy: expected one of {LOAD_POLICIES}, got {self.load_policy!r}"
@@ -540,9 +559,9 @@ def _from_env_string(name: str, raw: str) -> Any:
             return float(raw)
         except ValueError:
             raise ConfigError(f"TIERED_KV_{name.upper()}: expected a number, got {raw!r}") from None
-    if name in ("pin_memory", "l2_fsync", "layerwise"):
+    if name in ("pin_memory", "layerwise"):
         lowered = raw.strip().lower()
-        if lowered in ("", "auto") and name in ("pin_memory", "layerwise"):
+        if lowered in ("", "auto"):
             return None
         if lowered in ("1", "true", "yes", "on"):
             return True

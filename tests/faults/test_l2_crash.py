@@ -3,9 +3,10 @@ tier on the same directory serves only complete chunks, bit-exact, and no temp f
 
 The writers are forked from one helper process that imported torch and tiered_kv once (a fresh
 interpreter per kill would spend most of the test importing). Each writer opens a `DiskTier`,
-stores deterministic chunks (content and key follow from an index) in a loop with fsync on,
-touches some earlier ones, and prints each index once its put returned True; the test kills it
-after a random delay. Run as ``python -m tests.faults.test_l2_crash ROOT`` it is that helper.
+stores deterministic chunks (content and key follow from an index) in a loop (under each
+durability), touches some earlier ones, and prints each index once its put returned True; the
+test kills it after a random delay. Run as ``python -m tests.faults.test_l2_crash ROOT`` it is
+that helper.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from tiered_kv.tiers.l2 import DiskTier, FileOps, scan_directory
 
 CAPACITY = 1 << 30  # no eviction: every chunk a writer reported must still be there
 KILLS = 12
-# Where kills land: in fsyncs and renames ("fsync"), mid-write ("slow"), both ("slow+fsync").
-WRITER_MODES = ("fsync", "slow", "slow+fsync")
+# Where kills land: in renames and the batched syncs of the default durability ("batched"),
+# mid-write without syncs ("slow"), mid-write and in per-write fsyncs ("slow+fsync").
+WRITER_MODES = ("batched", "slow", "slow+fsync")
 WORKER_RANGE = 1_000_000  # writer w stores indices w * WORKER_RANGE, w * WORKER_RANGE + 1, ...
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,10 +63,11 @@ class SlowDisk(FileOps):
 
 async def _write_chunks(root: Path, first: int, mode: str) -> None:
     arena = HostArena(4 << 20, pin=False)
-    if mode == "fsync":
-        tier = DiskTier(root, CAPACITY)
+    if mode == "batched":
+        tier = DiskTier(root, CAPACITY, sync_interval_s=0.01)
     else:
-        tier = DiskTier(root, CAPACITY, fsync=mode == "slow+fsync", file_ops=SlowDisk())
+        durability = "per_write" if mode == "slow+fsync" else "none"
+        tier = DiskTier(root, CAPACITY, durability=durability, file_ops=SlowDisk())
     await tier.open()
     os.write(1, b"ready\n")
     rng = random.Random(first)

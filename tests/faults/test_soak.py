@@ -48,7 +48,7 @@ async def test_soak_under_eviction_serves_only_correct_rows(
         {
             "l2_path": str(tmp_path / "l2"),
             "l2_size": 160 * (CHUNK * row_bytes + 4096),  # about 160 chunks on disk
-            "l2_fsync": False,
+            "l2_durability": "none",
         }
         if tier == "L2"
         else {"l3_url": tkv_server.url, "l3_pool_size": L3_CONNECTIONS}

@@ -34,7 +34,7 @@ class EngineCalls(RuleBasedStateMachine):
             l1_size=l1_chunks * CHUNK * ROW_BYTES,
             l2_path=self.directory,
             l2_size=12 * (CHUNK * ROW_BYTES + 4096),
-            l2_fsync=False,
+            l2_durability="none",
             pin_memory=False,
         )
         self.engine = SyncTieredKVEngine(config)

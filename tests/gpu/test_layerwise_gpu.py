@@ -565,7 +565,7 @@ async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fm
     src = list(range(1, 1 + blocks))
     dst = [2 * blocks + 1 - i for i in range(blocks)]
     config = EngineConfig(
-        chunk_size=CHUNK, l1_size="64MiB", l2_path=str(tmp_path / "l2"), l2_fsync=False
+        chunk_size=CHUNK, l1_size="64MiB", l2_path=str(tmp_path / "l2"), l2_durability="none"
     )
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)

@@ -305,7 +305,7 @@ async def test_concurrent_puts_of_one_key_write_once(
 async def test_without_fsync(
     root: Path, key: ChunkKey, source: MemoryObj, target: MemoryObj
 ) -> None:
-    tier = DiskTier(root, BIG, fsync=False)
+    tier = DiskTier(root, BIG, durability="none")
     await tier.open()
     try:
         assert await tier.put(key, source)
@@ -569,7 +569,7 @@ async def test_put_failure_leaves_nothing(
             return super().pwrite(fd, data, offset)
 
     file_ops = FailingWrites()
-    tier = DiskTier(root, BIG, file_ops=file_ops)
+    tier = DiskTier(root, BIG, durability="per_write", file_ops=file_ops)
     await tier.open()
     try:
         with caplog.at_level(logging.WARNING, logger=l2.__name__):
@@ -606,7 +606,7 @@ async def test_put_cancelled_mid_write_leaves_nothing(
             return written
 
     file_ops = SlowWrites()
-    tier = DiskTier(root, BIG, file_ops=file_ops)
+    tier = DiskTier(root, BIG, durability="per_write", file_ops=file_ops)
     await tier.open()
     try:
         task = asyncio.create_task(tier.put(key, source))
@@ -655,7 +655,7 @@ class FaultyFileOps(FileOps):
 @pytest.fixture
 async def faulty_tier(root: Path) -> AsyncIterator[tuple[DiskTier, FaultyFileOps]]:
     file_ops = FaultyFileOps(read_slice_bytes=64)  # several slices per group
-    tier = DiskTier(root, BIG, file_ops=file_ops)
+    tier = DiskTier(root, BIG, durability="per_write", file_ops=file_ops)
     await tier.open()
     yield tier, file_ops
     await tier.aclose()
@@ -976,7 +976,7 @@ async def test_touch_keeps_hot_chunks_through_eviction_and_restart(
     size = file_size(keys[0])
     obj = make_obj(arena)
     try:
-        first = DiskTier(root, 8 * size, fsync=False)  # fast writes: many share a clock tick
+        first = DiskTier(root, 8 * size, durability="none")  # fast writes: many share a clock tick
         await first.open()
         try:
             for key in keys[:8]:
@@ -992,7 +992,7 @@ async def test_touch_keeps_hot_chunks_through_eviction_and_restart(
         finally:
             await first.aclose()
 
-        second = DiskTier(root, 8 * size, fsync=False)
+        second = DiskTier(root, 8 * size, durability="none")
         await second.open()
         try:
             assert [k for k, _, _ in second.entries()] == survivors  # recency survived restart
@@ -1156,6 +1156,7 @@ async def test_a_hit_reports_whether_its_file_was_in_the_page_cache(
         assert tier.cached_share(keys) == 1.0
         fd = os.open(path_of(root, keys[0]), os.O_RDONLY)
         try:
+            os.fsync(fd)  # written back first (batched durability): dirty pages are not dropped
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

@@ -124,10 +124,12 @@ def page_cache_read_gbps(paths: Sequence[Path], threads: int, reps: int = 3) -> 
 
 
 def drop_cached_pages(path: Path) -> None:
-    """``posix_fadvise(DONTNEED)``: the kernel drops the file's clean cached pages (no root
-    needed; a host-side cache under a VM may remain)."""
+    """``fsync``, then ``posix_fadvise(DONTNEED)``: the kernel drops the file's cached pages,
+    clean once written back (no root needed; a host-side cache under a VM may remain). L2's
+    batched durability leaves recent files dirty for up to its interval."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

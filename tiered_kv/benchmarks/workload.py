@@ -54,7 +54,7 @@ from tiered_kv.benchmarks.common import (
     run_on_engine_loop,
 )
 from tiered_kv.benchmarks.progress import Progress
-from tiered_kv.config import parse_size
+from tiered_kv.config import L2_DURABILITIES, parse_size
 from tiered_kv.metrics import EngineStats
 from tiered_kv.prefetch import PrefetchCounters
 from tiered_kv.tiers.base import LowerTier
@@ -156,7 +156,7 @@ async def run_scenario(
     with tempfile.TemporaryDirectory(prefix="tkv-workload-", dir=args.dir) as l2_dir:
         tiers: list[LowerTier] = [
             FaultyTier(
-                DiskTier(l2_dir, parse_size(args.l2_size), fsync=args.l2_fsync),
+                DiskTier(l2_dir, parse_size(args.l2_size), durability=args.l2_durability),
                 get_delay_s=args.l2_read_delay_ms / 1000,
                 put_delay_s=0.0,
             )
@@ -292,7 +292,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--l1-size", default=None, help="default: 24MiB quick, 48MiB full")
     parser.add_argument("--l2-size", default="4GiB")
-    parser.add_argument("--l2-fsync", action="store_true", help="fsync L2 files (default off)")
+    parser.add_argument(
+        "--l2-durability",
+        choices=L2_DURABILITIES,
+        default="none",
+        help="when L2 writes reach the disk itself (%(default)s; the engine's default is batched)",
+    )
     parser.add_argument("--l2-read-delay-ms", type=float, default=10.0)
     parser.add_argument("--l3-url", help="also use an L3 remote tier (tkv://, redis://)")
     parser.add_argument("--l3-read-delay-ms", type=float, default=20.0)
@@ -347,7 +352,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         f"({args.layers} layers x {args.kv_heads} KV heads x {args.head_size}, bf16), chunk "
         f"{args.chunk_size} tokens, reads per tier in flight <= {args.concurrency_per_tier}",
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-        f"torch threads, CPU mover (torch reference), L2 fsync {'on' if args.l2_fsync else 'off'}",
+        f"torch threads, CPU mover (torch reference), L2 durability {args.l2_durability}",
         f"ceiling (this run): host memcpy {memcpy_gbps:.2f} GB/s = {ceiling_tokens:,.0f} tok/s "
         f"of this KV; best restore rate {best.restore_rate:,.0f} tok/s "
         f"({100 * best.restore_rate / ceiling_tokens:.1f}% of it, {best.scenario.label})",

@@ -83,7 +83,8 @@ def lower_tiers(config: EngineConfig) -> list[LowerTier]:
             DiskTier(
                 config.l2_path,
                 config.l2_bytes,
-                fsync=config.l2_fsync,
+                durability=config.l2_durability,
+                sync_interval_s=config.l2_sync_interval_s,
                 io_threads=config.l2_io_threads,
             )
         )

@@ -43,6 +43,20 @@ READ_SLICE_BYTES = 8 << 20
 NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 
 
+def _load_syncfs() -> Callable[[int], int] | None:
+    """libc's ``syncfs`` (Linux; ctypes drops the GIL around the call), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+    return cast("Callable[[int], int]", function)
+
+
+_syncfs = _load_syncfs()
+
+
 class FileOps:
     """The system calls through which `DiskTier` moves chunk files: the one seam for I/O faults.
 
@@ -70,6 +84,20 @@ class FileOps:
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
             os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def sync_filesystem(self, directory: Path) -> None:
+        """Write back every dirty page and inode of ``directory``'s filesystem: ``syncfs`` on
+        Linux (that filesystem alone), ``sync`` elsewhere."""
+        if _syncfs is None:
+            os.sync()
+            return
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            if _syncfs(fd) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, f"syncfs of {directory}: {os.strerror(code)}")
         finally:
             os.close(fd)
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -58,6 +59,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tiered_kv.codec import DEFAULT_LIMITS, CodecLimits, GroupSpec, encoded_header_len
+from tiered_kv.config import L2_DURABILITIES, L2Durability
 from tiered_kv.errors import ConfigError, EngineStateError, TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
@@ -111,6 +113,9 @@ class DiskStats(TierStats):
     touches: int = 0
     touch_failures: int = 0
     directory_syncs: int = 0  # fsyncs of shard directories after renames (several puts share one)
+    filesystem_syncs: int = 0  # durability "batched": syncfs calls, each for many puts
+    sync_failures: int = 0  # syncs that failed (logged; the chunks stay, read checks guard them)
+    unsynced_puts: int = 0  # puts not yet on the disk itself (durability "batched" / "none")
     write_seconds: float = 0.0  # sum of per-write latencies
     read_seconds: float = 0.0
 
@@ -123,6 +128,7 @@ _COUNTERS = counter_fields(
         "bytes_reserved",
         "effective_capacity",
         "directory_syncs",
+        "unsynced_puts",
         "write_seconds",
         "read_seconds",
     ),
@@ -132,8 +138,11 @@ _COUNTERS = counter_fields(
 class DiskTier(LowerTier):
     """L2 on a local directory, bounded by ``capacity`` bytes of files, LRU.
 
-    ``fsync=False`` skips the file and directory fsyncs (faster, but a power loss may lose
-    recent chunks; the checksums still keep torn files from being served). ``io_threads``: the
+    ``durability``: when writes reach the disk itself (`EngineConfig.l2_durability`):
+    "batched" syncs the filesystem every ``sync_interval_s`` for all the writes since the last,
+    "per_write" fsyncs each file and its directory before the put returns, "none" leaves it to
+    the kernel. A crash of the machine may lose the chunks not yet synced; the checksums keep a
+    torn file from ever being served. ``io_threads``: the
     tier's blocking threads (reads and writes in parallel); None sizes them from the machine
     (`default_io_threads`). ``file_ops`` is the seam for fault tests (a full disk); leave the
     default otherwise.
@@ -146,7 +155,8 @@ class DiskTier(LowerTier):
         root: str | os.PathLike[str],
         capacity: int,
         *,
-        fsync: bool = True,
+        durability: L2Durability = "batched",
+        sync_interval_s: float = 0.1,
         limits: CodecLimits = DEFAULT_LIMITS,
         file_ops: FileOps = DEFAULT_FILE_OPS,
         io_threads: int | None = None,
@@ -155,15 +165,27 @@ class DiskTier(LowerTier):
             raise ConfigError(
                 f"DiskTier: capacity must be a positive number of bytes, got {capacity!r}"
             )
+        if durability not in L2_DURABILITIES:
+            raise ConfigError(
+                f"DiskTier: durability must be one of {L2_DURABILITIES}, got {durability!r}"
+            )
+        if not sync_interval_s > 0:
+            raise ConfigError(f"DiskTier: sync_interval_s must be > 0, got {sync_interval_s!r}")
         self.root = Path(root)
         self.capacity = capacity
-        self.fsync = fsync
+        self.durability = durability
+        self.sync_interval_s = sync_interval_s
         self.limits = limits
         self.file_ops = file_ops
         threads = default_io_threads() if io_threads is None else io_threads
         # Reads have threads of their own: a burst of writes never queues a load behind it.
         self._read_pool = BlockingPool("tkv-l2-read", threads)
         self._write_pool = BlockingPool("tkv-l2-write", write_threads(threads))
+        # Batched durability's syncs: a thread of their own, so a long one never holds a write.
+        self._sync_pool = BlockingPool("tkv-l2-sync", 1)
+        self._unsynced = 0  # puts since the last sync began (batched, none)
+        self._unsynced_wanted = asyncio.Event()
+        self._syncer: asyncio.Task[None] | None = None
         self._lock = DirectoryLock(self.root, file_ops)
         self._directory_sync = DirectorySyncer(file_ops)
         self._state = "new"
@@ -214,6 +236,10 @@ class DiskTier(LowerTier):
             self._read_pool = BlockingPool(self._read_pool.name, self._read_pool.size)
             raise
         self._state = "open"
+        if self.durability == "batched":
+            self._syncer = asyncio.get_running_loop().create_task(
+                self._sync_loop(), name="tkv-l2-sync"
+            )
         logger.info(
             "L2 %s: %d chunks, %d bytes; removed %d corrupt and %d temp files",
             self.root,
@@ -228,16 +254,46 @@ class DiskTier(LowerTier):
         return self._read_pool.size
 
     async def aclose(self) -> None:
-        """Release the directory lock and join the I/O threads. Await or cancel this tier's
-        operations first."""
+        """Sync what batched durability has not synced yet, release the directory lock and join
+        the I/O threads. Await or cancel this tier's operations first."""
         if self._state == "closed":
             return
+        was_open = self._state == "open"
         self._state = "closed"
+        syncer, self._syncer = self._syncer, None
+        if syncer is not None:
+            syncer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await syncer
+        try:
+            if was_open and self.durability == "batched" and self._unsynced:
+                await self._sync()
+        finally:
+            await self._sync_pool.aclose()
         self._lock.release()
         self._index.clear()
         self._bytes_used = 0
         await self._write_pool.aclose()
         await self._read_pool.aclose()
+
+    async def _sync_loop(self) -> None:
+        """Batched durability: ``sync_interval_s`` after the first unsynced put, one sync of
+        the filesystem for every put until then."""
+        while True:
+            await self._unsynced_wanted.wait()
+            await asyncio.sleep(self.sync_interval_s)
+            await self._sync()
+
+    async def _sync(self) -> None:
+        self._unsynced_wanted.clear()
+        self._unsynced = 0  # puts landing during the sync wait for the next one
+        try:
+            await self._sync_pool.run(functools.partial(self.file_ops.sync_filesystem, self.root))
+        except OSError:
+            self._counters["sync_failures"] += 1
+            logger.warning("L2 sync of %s failed", self.root, exc_info=True)
+        else:
+            self._counters["filesystem_syncs"] += 1
 
     def _check_open(self, verb: str) -> None:
         if self._state != "open":
@@ -289,6 +345,7 @@ class DiskTier(LowerTier):
             write_seconds=self._write_seconds,
             read_seconds=self._read_seconds,
             directory_syncs=self._directory_sync.calls,
+            unsynced_puts=self._unsynced,
             **self._counters,
         )
 
@@ -427,7 +484,7 @@ class DiskTier(LowerTier):
                 num_tokens=obj.num_tokens,
                 specs=specs,
                 buffers=obj.group_buffers(),
-                fsync=self.fsync,
+                fsync=self.durability == "per_write",
                 limits=self.limits,
                 file_ops=self.file_ops,
                 directory_sync=self._directory_sync,
@@ -466,6 +523,9 @@ class DiskTier(LowerTier):
                 self._fit_to_filesystem(job.free_bytes)
             self._counters["puts"] += 1
             self._counters["bytes_written"] += size
+            if self.durability != "per_write":
+                self._unsynced += 1
+                self._unsynced_wanted.set()
             if job.lock_retaken:
                 await self._forget_vanished_files()  # after the insert: a cancel keeps the chunk
             return True
