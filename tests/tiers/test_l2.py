@@ -315,6 +315,110 @@ async def test_without_fsync(
         await tier.aclose()
 
 
+class SyncRecording(FileOps):
+    """Counts the filesystem syncs and directory fsyncs the tier asks for; ``fail_syncs`` makes
+    the filesystem syncs raise (an I/O error at write-back)."""
+
+    def __init__(self) -> None:
+        self.filesystem_syncs = 0
+        self.directory_fsyncs = 0
+        self.fail_syncs = False
+
+    def sync_filesystem(self, directory: Path) -> None:
+        self.filesystem_syncs += 1
+        if self.fail_syncs:
+            raise OSError(errno.EIO, "injected write-back error")
+        super().sync_filesystem(directory)
+
+    def fsync_directory(self, directory: Path) -> None:
+        self.directory_fsyncs += 1
+        super().fsync_directory(directory)
+
+
+async def test_batched_durability_syncs_the_filesystem_once_for_many_puts_and_at_close(
+    root: Path, arena: HostArena
+) -> None:
+    ops = SyncRecording()
+    tier = DiskTier(root, BIG, durability="batched", sync_interval_s=0.2, file_ops=ops)
+    await tier.open()
+    keys = make_keys(6)
+    sources = [make_obj(arena, seed=i) for i in range(6)]
+    try:
+        puts = (tier.put(k, o) for k, o in zip(keys, sources, strict=True))
+        assert all(await asyncio.gather(*puts))
+        # The puts returned before anything was synced, and no put fsynced its directory.
+        assert (ops.filesystem_syncs, ops.directory_fsyncs) == (0, 0)
+        assert tier.stats().unsynced_puts == 6
+        deadline = asyncio.get_running_loop().time() + 10
+        while tier.stats().filesystem_syncs == 0:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        assert ops.filesystem_syncs == 1 and tier.stats().unsynced_puts == 0  # one for all six
+        assert await tier.put(make_keys(1, salt=5)[0], sources[0])
+        assert tier.stats().unsynced_puts == 1
+    finally:
+        await tier.aclose()  # syncs the last put at once, not an interval later
+        for obj in sources:
+            obj.unref()
+    assert ops.filesystem_syncs == 2 and ops.directory_fsyncs == 0
+
+
+@pytest.mark.parametrize("durability", ["none", "per_write"])
+async def test_durability_none_never_syncs_and_per_write_syncs_every_put(
+    root: Path, arena: HostArena, durability: str
+) -> None:
+    ops = SyncRecording()
+    tier = DiskTier(
+        root,
+        BIG,
+        durability=durability,  # type: ignore[arg-type]
+        sync_interval_s=0.01,
+        file_ops=ops,
+    )
+    await tier.open()
+    source = make_obj(arena, seed=1)
+    try:
+        for key in make_keys(3):
+            assert await tier.put(key, source)
+        await asyncio.sleep(0.1)
+    finally:
+        await tier.aclose()
+        source.unref()
+    assert ops.filesystem_syncs == 0
+    # per_write: each put's rename is made durable by a directory fsync before it returns.
+    assert (ops.directory_fsyncs >= 3) is (durability == "per_write")
+
+
+async def test_a_failed_batched_sync_is_counted_and_the_chunks_still_read_back(
+    root: Path, arena: HostArena, caplog: pytest.LogCaptureFixture
+) -> None:
+    ops = SyncRecording()
+    ops.fail_syncs = True
+    tier = DiskTier(root, BIG, durability="batched", sync_interval_s=0.01, file_ops=ops)
+    await tier.open()
+    key, source, target = make_keys(1)[0], make_obj(arena, seed=2), poisoned_obj(arena)
+    try:
+        assert await tier.put(key, source)
+        deadline = asyncio.get_running_loop().time() + 10
+        while tier.stats().sync_failures == 0:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        assert "L2 sync of" in caplog.text
+        assert await tier.get_into(key, target)  # every read is checked: a good file serves
+        assert same_groups(source, target)
+    finally:
+        await tier.aclose()
+        for obj in (source, target):
+            obj.unref()
+
+
+def test_durability_is_checked() -> None:
+    with pytest.raises(TieredKVError, match="durability must be one of"):
+        DiskTier("/tmp/unused", BIG, durability="fsync")  # type: ignore[arg-type]
+    with pytest.raises(TieredKVError, match="sync_interval_s must be > 0"):
+        DiskTier("/tmp/unused", BIG, sync_interval_s=0)
+
+
 # -- restart ------------------------------------------------------------------------------------
 async def test_restart_reuses_the_directory(root: Path, arena: HostArena) -> None:
     keys = make_keys(3)
