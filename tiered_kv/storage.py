@@ -31,7 +31,6 @@ from tiered_kv.tiers.l1 import L1Tier
 
 logger = logging.getLogger(__name__)
 
-WRITERS_PER_TIER = 2
 # Recency of chunks that hit in L1 is passed down to the lower tiers in batches: at this many
 # keys, or after this long, whichever comes first (and on flush and close).
 TOUCH_BATCH = 256
@@ -262,7 +261,7 @@ class StorageManager:
             wq = _WriteQueue(tier, policy, queue, set(), [])
             wq.workers = [
                 asyncio.create_task(self._writer(wq), name=f"tkv-{tier.name}-writer{i}")
-                for i in range(WRITERS_PER_TIER)
+                for i in range(max(1, tier.write_parallelism))
             ]
             self._queues.append(wq)
         if self.lower:

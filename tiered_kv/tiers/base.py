@@ -46,6 +46,7 @@ class TierStats:
 
 
 DEFAULT_READ_PARALLELISM = 8
+DEFAULT_WRITE_PARALLELISM = 2
 
 TIER_OCCUPANCY = tuple(field.name for field in dataclasses.fields(TierStats))
 
@@ -114,6 +115,12 @@ class LowerTier(abc.ABC):
         """Reads worth having in flight at once (prefetch's per-tier limit unless the config
         sets ``prefetch_concurrency``): a tier with its own I/O threads says how many."""
         return DEFAULT_READ_PARALLELISM
+
+    @property
+    def write_parallelism(self) -> int:
+        """Background writes worth having in flight at once (the storage manager runs this many
+        writers for the tier's queue): a tier with its own write threads says how many."""
+        return DEFAULT_WRITE_PARALLELISM
 
     @abc.abstractmethod
     async def open(self) -> None:

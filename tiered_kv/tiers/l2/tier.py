@@ -253,6 +253,11 @@ class DiskTier(LowerTier):
     def read_parallelism(self) -> int:
         return self._read_pool.size
 
+    @property
+    def write_parallelism(self) -> int:
+        """Its write threads: a write in flight on each (docs/benchmarks.md, "L2 writes")."""
+        return self._write_pool.size
+
     async def aclose(self) -> None:
         """Sync what batched durability has not synced yet, release the directory lock and join
         the I/O threads. Await or cancel this tier's operations first."""
