@@ -37,10 +37,12 @@ PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 LoadPolicy = Literal["cost", "always"]
 WritePolicy = Literal["write_through", "write_back", "selective"]
 L2Durability = Literal["none", "batched", "per_write"]
+IoPlane = Literal["threads", "processes"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 LOAD_POLICIES: tuple[LoadPolicy, ...] = get_args(LoadPolicy)
 WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
 L2_DURABILITIES: tuple[L2Durability, ...] = get_args(L2Durability)
+IO_PLANES: tuple[IoPlane, ...] = get_args(IoPlane)
 _INT_FIELDS = (
     "chunk_size",
     "lower_write_queue",
@@ -49,7 +51,7 @@ _INT_FIELDS = (
     "selective_min_hits",
 )
 # Ints where None means "sized from the machine" (TIERED_KV_<FIELD>="" or "auto").
-_AUTO_INT_FIELDS = ("prefetch_concurrency", "l2_io_threads")
+_AUTO_INT_FIELDS = ("prefetch_concurrency", "l2_io_threads", "io_workers")
 _FLOAT_FIELDS = (
     "close_timeout_s",
     "store_wait_s",
@@ -133,6 +135,12 @@ class EngineConfig:
         may lose the chunks written since the last sync and never serves a torn one
         (docs/architecture.md, "L2 disk tier").
     l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
+    io_plane: where L2 reads move their bytes: "threads" (the tier's threads in this process)
+        or "processes" (I/O worker processes that read straight into L1, which is then a shared
+        memfd mapping; Linux; `tiered_kv.io.plane`), so the engine's interpreter lock never
+        paces them. Writes, and reads under a custom ``file_ops``, stay on threads.
+    io_workers: worker processes of the "processes" plane; None sizes them from the machine
+        (one per core, 2 to 16).
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
         in L1 now), "wait_complete" (wait for every load), "timeout" (wait at most
         ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_1k_tokens_s`` per 1000 tokens
@@ -181,6 +189,8 @@ class EngineConfig:
     pin_memory: bool | None = None
     l2_durability: L2Durability = "batched"
     l2_sync_interval_s: float = 0.1
+    io_plane: IoPlane = "threads"
+    io_workers: int | None = None
     prefetch_policy: PrefetchPolicy = "wait_complete"
     prefetch_timeout_base_s: float = 0.005
     prefetch_timeout_per_1k_tokens_s: float = 0.002
@@ -229,6 +239,8 @@ class EngineConfig:
             raise ConfigError(f"lower_write_queue: must be >= 1, got {value}")
 
     def _validate_policies(self) -> None:
+        if self.io_plane not in IO_PLANES:
+            raise ConfigError(f"io_plane: expected one of {IO_PLANES}, got {self.io_plane!r}")
         if self.l2_durability not in L2_DURABILITIES:
             raise ConfigError(
                 f"l2_durability: expected one of {L2_DURABILITIES}, got {self.l2_durability!r}"
@@ -249,7 +261,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"{name}: expected a number >= 0, got {value!r}")
-        for name in ("prefetch_concurrency", "l2_io_threads"):
+        for name in ("prefetch_concurrency", "l2_io_threads", "io_workers"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1

@@ -31,6 +31,7 @@ from tiered_kv.config import (
 from tiered_kv.cost import RecomputeCost, choose_claim
 from tiered_kv.errors import ConfigError, EngineStateError, LayoutError
 from tiered_kv.gpu.base import ChunkTransfer, FinishedLayerLoad, KVMover, MoverStats
+from tiered_kv.io.plane import WorkerPlane
 from tiered_kv.keys import ChunkKey, KeyMemo, KeySalt, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import MemoryLayoutDesc, build_layout
@@ -753,6 +754,12 @@ class TieredKVEngine:
         (``costs``) and books, for inspection and fault injection; `EngineStateError` when not
         open. Its verbs bypass the engine's counters: requests go through the engine."""
         return self._running().storage
+
+    @property
+    def io_plane(self) -> WorkerPlane | None:
+        """The open engine's I/O worker processes (``io_plane="processes"``), else None; for
+        inspection and fault injection. `EngineStateError` when not open."""
+        return self._running().plane
 
     def stats(self) -> metrics.EngineStats:
         """Every component's typed statistics now, as one snapshot; `EngineStats.to_prometheus`

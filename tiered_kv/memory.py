@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
+import mmap
+import os
 from typing import Any
 
 import torch
@@ -53,9 +55,13 @@ class HostArena:
     """A single host buffer carved into aligned allocations.
 
     ``pin``: True pins (needs CUDA), False never pins, None pins when CUDA is available.
+    ``shared``: the buffer is a memfd mapping (Linux) that I/O worker processes map too
+    (`shared_fd`, `mapped_bytes`); it has no name, so nothing outlives the processes that map it.
     """
 
-    def __init__(self, capacity: int, *, pin: bool | None = None, align: int = ALIGN) -> None:
+    def __init__(
+        self, capacity: int, *, pin: bool | None = None, align: int = ALIGN, shared: bool = False
+    ) -> None:
         if capacity < align:
             raise ValueError(f"HostArena: capacity must be >= {align} bytes, got {capacity}")
         if align & (align - 1):
@@ -73,8 +79,26 @@ class HostArena:
         # arena would pin 64 GiB.
         base_align = max(align, _PAGE)
         registered = _round_up(self.capacity, _PAGE)
-        raw = torch.empty(registered + base_align, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % base_align
+        self.shared_fd: int | None = None
+        self.mapped_bytes = 0
+        self._mapping: mmap.mmap | None = None
+        if shared:
+            if not hasattr(os, "memfd_create"):
+                raise TieredKVError("HostArena: shared=True needs memfd_create (Linux)")
+            fd = os.memfd_create("tkv-l1", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, registered)
+                self._mapping = mmap.mmap(fd, registered)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.shared_fd, self.mapped_bytes = fd, registered
+            # A page-aligned mapping: no skip needed.
+            raw = torch.frombuffer(self._mapping, dtype=torch.uint8)
+            skip = 0
+        else:
+            raw = torch.empty(registered + base_align, dtype=torch.uint8)
+            skip = (-raw.data_ptr()) % base_align
         self._tensor: torch.Tensor | None = raw[skip : skip + self.capacity]
         self.base_ptr = self._tensor.data_ptr()
         self._registered = 0
@@ -177,6 +201,11 @@ class HostArena:
             self._registered = 0
             _cuda_check(_cudart().cudaHostUnregister(self.base_ptr), "cudaHostUnregister")
         self._tensor = None
+        if self.shared_fd is not None:
+            os.close(self.shared_fd)
+            self.shared_fd = None
+            # The mapping goes with its last view (a caller may still hold a tensor of it).
+            self._mapping = None
         return leaked
 
     def _check_open(self) -> torch.Tensor:

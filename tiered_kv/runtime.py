@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from tiered_kv.config import EngineConfig
 from tiered_kv.gpu.base import KVMover
 from tiered_kv.gpu.dispatch import DeviceMover
+from tiered_kv.io.plane import WorkerPlane, default_io_workers
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.memory import HostArena
 from tiered_kv.metrics import EngineCounters
@@ -43,6 +44,7 @@ class EngineRuntime:
     prefetch: PrefetchController
     mover: KVMover
     retriever: Retriever
+    plane: WorkerPlane | None = None  # io_plane "processes": L2 reads in worker processes
     probes: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
     layerwise_stores: set[LayerwiseStore] = dataclasses.field(default_factory=set)
     # Set by `aclose`: lower-tier writes dropped at close, and host bytes still referenced when
@@ -62,10 +64,18 @@ class EngineRuntime:
         """Allocate the arena, open the tiers, and make the prefetch controller, the mover
         (``mover``, else the device's) and the retriever. When a tier refuses to open, what was
         made is freed again and the error raised."""
-        arena = HostArena(config.l1_bytes, pin=config.pin_memory)
+        processes = config.io_plane == "processes"
+        arena = HostArena(config.l1_bytes, pin=config.pin_memory, shared=processes)
         storage: StorageManager | None = None
+        plane: WorkerPlane | None = None
         try:
             lower = [*tier_factory.lower_tiers(config), *extra_tiers]
+            if processes:
+                workers = config.io_workers or default_io_workers()
+                plane = WorkerPlane(arena, workers)
+                plane.start()
+                for tier in lower:
+                    tier.use_plane(plane)
             storage = StorageManager(
                 L1Tier(arena),
                 lower,
@@ -77,6 +87,8 @@ class EngineRuntime:
         except BaseException:  # a refused tier set or a tier that did not open: free the arena
             if storage is not None:
                 await storage.aclose(0)
+            if plane is not None:
+                await plane.aclose()
             arena.close()
             raise
         prefetch = PrefetchController(
@@ -85,7 +97,8 @@ class EngineRuntime:
             l1_budget_bytes=int(arena.capacity * config.prefetch_l1_fraction),
         )
         mover = mover or DeviceMover()
-        return cls(arena, storage, prefetch, mover, Retriever(storage, prefetch, mover, counters))
+        retriever = Retriever(storage, prefetch, mover, counters)
+        return cls(arena, storage, prefetch, mover, retriever, plane=plane)
 
     def track_probe(self, task: asyncio.Task[None]) -> None:
         """A background read of a declined tier's chunk: cancelled at close if still running."""
@@ -123,6 +136,8 @@ class EngineRuntime:
                     self.mover.forget(registration.layout)
                 await self.mover.aclose()
             finally:
+                if self.plane is not None:
+                    await self.plane.aclose()  # no worker writes into the arena any more
                 leaked = self.leaked_bytes = self.arena.close()
                 if leaked:
                     logger.error("tiered_kv: %d host bytes still referenced at close", leaked)

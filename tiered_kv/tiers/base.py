@@ -25,10 +25,13 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
+
+if TYPE_CHECKING:
+    from tiered_kv.io.plane import WorkerPlane
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +124,12 @@ class LowerTier(abc.ABC):
         """Background writes worth having in flight at once (the storage manager runs this many
         writers for the tier's queue): a tier with its own write threads says how many."""
         return DEFAULT_WRITE_PARALLELISM
+
+    def use_plane(self, plane: WorkerPlane | None) -> None:
+        """The engine's I/O worker processes (``io_plane="processes"``), offered before
+        `open`: a tier whose reads are file I/O may move their bytes through them. Default:
+        not used."""
+        return None
 
     @abc.abstractmethod
     async def open(self) -> None:

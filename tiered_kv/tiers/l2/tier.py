@@ -58,9 +58,21 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiered_kv.codec import DEFAULT_LIMITS, CodecLimits, GroupSpec, encoded_header_len
+from tiered_kv.codec import (
+    DEFAULT_LIMITS,
+    STRIPE_BYTES,
+    CodecLimits,
+    FrameCheck,
+    GroupSpec,
+    check_encodable,
+    check_frame_header,
+    check_payload_checksums,
+    decode_header,
+    encoded_header_len,
+)
 from tiered_kv.config import L2_DURABILITIES, L2Durability
-from tiered_kv.errors import ConfigError, EngineStateError, TieredKVError
+from tiered_kv.errors import CodecError, ConfigError, EngineStateError, TieredKVError
+from tiered_kv.io.plane import WorkerPlane
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
@@ -203,6 +215,13 @@ class DiskTier(LowerTier):
         self._read_cached: collections.OrderedDict[ChunkKey, bool] = collections.OrderedDict()
         self._write_seconds = 0.0
         self._read_seconds = 0.0
+        self._plane: WorkerPlane | None = None
+
+    def use_plane(self, plane: WorkerPlane | None) -> None:
+        """Read chunks whose objects lie in ``plane``'s arena through its worker processes
+        (None: every read on this tier's threads). A tier with its own ``file_ops`` (a fault
+        seam) keeps its reads on its threads, where that seam is."""
+        self._plane = plane if self.file_ops is DEFAULT_FILE_OPS else None
 
     # -- lifetime ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -592,22 +611,31 @@ class DiskTier(LowerTier):
             self._counters["layout_mismatch"] += 1
             self._counters["misses"] += 1
             return False
-        abort = threading.Event()
-        read = ChunkRead(
-            entry.path,
-            key.to_bytes(),
-            obj.num_tokens,
-            specs,
-            obj.group_buffers(),
-            self.limits,
-            abort,
-            self._stamp(),
-            self.file_ops,
-        )
         started = time.perf_counter()
+        cached: bool | None = None
         try:
-            await self._read_pool.run_all(read.parts(), abort)
-            outcome, detail = read.outcome()
+            plane = self._plane
+            outcome, detail = ReadOutcome.CORRUPT, "not read"
+            if plane is not None and plane.serves(obj.arena):
+                outcome, detail = await self._read_in_worker(plane, key, entry, obj, specs)
+            if outcome is not ReadOutcome.HIT:
+                # On the tier's threads (also what judges a file the worker's read did not
+                # pass: the threads read the whole header, so their verdict names the cause).
+                abort = threading.Event()
+                read = ChunkRead(
+                    entry.path,
+                    key.to_bytes(),
+                    obj.num_tokens,
+                    specs,
+                    obj.group_buffers(),
+                    self.limits,
+                    abort,
+                    self._stamp(),
+                    self.file_ops,
+                )
+                await self._read_pool.run_all(read.parts(), abort)
+                outcome, detail = read.outcome()
+                cached = read.cached
         except Exception:
             self._counters["read_failures"] += 1
             self._counters["misses"] += 1
@@ -617,8 +645,8 @@ class DiskTier(LowerTier):
             self._read_seconds += time.perf_counter() - started
 
         if outcome is ReadOutcome.HIT:
-            if read.cached is not None:
-                self._read_cached[key] = read.cached
+            if cached is not None:
+                self._read_cached[key] = cached
                 if len(self._read_cached) > _READ_CACHED_KEPT:
                     self._read_cached.popitem(last=False)
             if self._index.get(key) is entry:
@@ -639,6 +667,53 @@ class DiskTier(LowerTier):
         else:
             logger.warning("L2: %s: %s", entry.path, detail)
         return False
+
+    async def _read_in_worker(
+        self,
+        plane: WorkerPlane,
+        key: ChunkKey,
+        entry: Entry,
+        obj: MemoryObj,
+        specs: tuple[GroupSpec, ...],
+    ) -> tuple[ReadOutcome, str]:
+        """The chunk read by an I/O worker straight into ``obj``, judged here: HIT, MISSING, or
+        CORRUPT with why (the caller reads it again on its threads to name the cause)."""
+        key_bytes = key.to_bytes()
+        header_len = check_encodable(key_bytes, obj.num_tokens, specs, self.limits)
+        offsets = obj.layout.group_offsets(obj.num_tokens)
+        extents = [
+            (obj.offset + offset, group.nbytes(obj.num_tokens))
+            for offset, group in zip(offsets, obj.layout.groups, strict=True)
+        ]
+        answer = await plane.read(
+            str(entry.path),
+            header_len,
+            sum(length for _, length in extents),
+            extents,
+            STRIPE_BYTES,
+            self._stamp(),
+        )
+        if answer.status == "missing":
+            return ReadOutcome.MISSING, ""
+        if answer.status != "read":
+            return ReadOutcome.CORRUPT, answer.detail
+        try:
+            header = decode_header(answer.header, self.limits)
+        except CodecError as exc:
+            return ReadOutcome.CORRUPT, f"bad header: {exc}"
+        check, detail = check_frame_header(
+            header,
+            key_bytes=key_bytes,
+            num_tokens=obj.num_tokens,
+            groups=specs,
+            frame_len=answer.file_size,
+        )
+        if check is not FrameCheck.OK:
+            return ReadOutcome.CORRUPT, detail
+        problem = check_payload_checksums(header, answer.digests)
+        if problem is not None:
+            return ReadOutcome.CORRUPT, problem
+        return ReadOutcome.HIT, ""
 
     async def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Move ``keys`` to the recent end of the LRU and stamp their files' mtimes (one thread

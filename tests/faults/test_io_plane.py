@@ -1,0 +1,212 @@
+"""L2 reads through I/O worker processes (``io_plane="processes"``) under faults: bit-exact
+loads, a corrupt file a miss, a worker SIGKILLed mid-read costing exactly its chunk and
+replaced, a read cancelled on a stuck worker returning once that worker is dead, and no worker
+outliving its engine, whether it closed or was SIGKILLed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
+from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.io.plane import STUCK_GRACE_S, WorkerPlane
+from tiered_kv.memory import HostArena
+
+REPO = Path(__file__).resolve().parents[2]
+CHUNK = 32
+TOKENS = list(range(5000, 5000 + 8 * CHUNK))  # 8 chunks of 256 KiB
+SRC, DST = list(range(1, 17)), list(range(17, 33))
+
+
+def _caches() -> KVCaches:
+    return make_caches("vllm_nhd", torch.bfloat16, num_blocks=40, num_heads=8, head_size=128)
+
+
+def _config(tmp_path: Path, **overrides: object) -> EngineConfig:
+    fields: dict[str, object] = {
+        "chunk_size": CHUNK,
+        "l1_size": "8MiB",
+        "l2_path": str(tmp_path / "l2"),
+        "io_plane": "processes",
+        "io_workers": 2,
+    }
+    fields.update(overrides)
+    return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too: only its parent's wait is missing.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ")[1][0] != "Z"
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def _stored(engine: TieredKVEngine, caches: KVCaches) -> WorkerPlane:
+    engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+    assert await engine.store(TOKENS, SRC) == len(TOKENS)
+    assert await engine.flush(timeout=30) == 0
+    assert await engine.evict_l1() > 0
+    plane = engine.io_plane
+    assert plane is not None
+    return plane
+
+
+def _chunk_file(engine: TieredKVEngine, index: int) -> Path:
+    key = engine.chunk_keys(TOKENS)[index]
+    return Path(engine.storage.lower[0].root) / key.hex[:2] / key.hex  # type: ignore[attr-defined]
+
+
+async def test_loads_through_worker_processes_are_bit_exact_and_a_corrupt_file_is_a_miss(
+    tmp_path: Path,
+) -> None:
+    caches = _caches()
+    async with TieredKVEngine(_config(tmp_path)) as engine:
+        plane = await _stored(engine, caches)
+        reference = caches.snapshot()
+        poison_blocks(caches, DST)
+        expected = caches.snapshot()
+        assert (await engine.retrieve(TOKENS, DST)).valid_tokens == len(TOKENS)
+        expect_copy(caches, expected, reference, SRC, DST, range(len(TOKENS)), 16)
+        assert caches.bytes_equal(expected)
+        assert plane.stats().jobs == 8  # every chunk's bytes came through a worker
+        # A flipped payload byte in chunk 5: the digests disagree, the chunk is a miss and its
+        # file goes; the prefix before it loads.
+        await engine.evict_l1()
+        path = _chunk_file(engine, 5)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+        assert (await engine.retrieve(TOKENS, DST)).valid_tokens == 5 * CHUNK
+        assert engine.stats().tier("L2").corrupt_removed == 1
+        assert not path.exists()
+        pids = plane.worker_pids()
+    assert _gone_within(pids, 5)  # aclose stopped every worker
+
+
+async def test_a_worker_killed_mid_read_costs_exactly_its_chunk_and_is_replaced(
+    tmp_path: Path,
+) -> None:
+    caches = _caches()
+    async with TieredKVEngine(_config(tmp_path, io_workers=1)) as engine:
+        plane = await _stored(engine, caches)
+        # Chunk 3's file becomes a FIFO: the worker that opens it blocks there, mid-read.
+        path = _chunk_file(engine, 3)
+        original = path.read_bytes()
+        path.unlink()
+        os.mkfifo(path)
+        (victim,) = plane.worker_pids()
+        poison_blocks(caches, DST)
+        before = caches.snapshot()
+        load = asyncio.create_task(engine.retrieve(TOKENS, DST))
+        deadline = time.monotonic() + 10
+        while plane.stats().in_flight == 0 or plane.stats().jobs < 4:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the worker is inside chunk 3's open
+        os.kill(victim, signal.SIGKILL)
+        result = await load
+        assert result.valid_tokens == 3 * CHUNK  # chunks 0-2 only: a prefix, nothing partial
+        after = caches.snapshot()
+        for block in DST[6:]:  # chunk 3 on: never written
+            assert all(
+                torch.equal(b[:, block], a[:, block])
+                for layer_b, layer_a in zip(before, after, strict=True)
+                for b, a in zip(layer_b, layer_a, strict=True)
+            )
+        stats = plane.stats()
+        assert stats.worker_deaths == 1 and stats.workers == 1
+        assert plane.worker_pids() != [victim]
+        assert engine.stats().tier("L2").read_failures >= 1
+        # The replacement serves: with chunk 3's file back, everything loads.
+        path.unlink()
+        path.write_bytes(original)
+        await engine.evict_l1()
+        assert (await engine.retrieve(TOKENS, DST)).valid_tokens == len(TOKENS)
+        assert plane.stats().worker_deaths == 1
+
+
+async def test_a_read_cancelled_on_a_stuck_worker_returns_once_the_worker_is_killed(
+    tmp_path: Path,
+) -> None:
+    """The plane's side of a load's deadline: a read whose caller is cancelled while its worker
+    is stuck (a FIFO's open never returns) returns after the grace, its worker killed, so
+    nothing writes its buffers afterwards; a new worker takes its place."""
+    arena = HostArena(1 << 20, pin=False, shared=True)
+    plane = WorkerPlane(arena, 1)
+    fifo = tmp_path / "stuck"
+    os.mkfifo(fifo)
+    plane.start()
+    try:
+        (stuck,) = plane.worker_pids()
+        read = asyncio.create_task(plane.read(str(fifo), 64, 4096, [(0, 4096)], 4096, 1))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        waited = time.monotonic() - started
+        assert STUCK_GRACE_S <= waited < STUCK_GRACE_S + 2.0, waited
+        assert not _alive(stuck)  # dead before the read returned
+        stats = plane.stats()
+        assert (stats.stuck_killed, stats.workers, stats.in_flight) == (1, 1, 0)
+        # The new worker reads a real file straight into the arena.
+        data = os.urandom(4096 + 64)
+        (tmp_path / "file").write_bytes(data)
+        answer = await plane.read(str(tmp_path / "file"), 64, 4096, [(8192, 4096)], 4096, 1)
+        assert (answer.status, answer.header, answer.file_size) == ("read", data[:64], len(data))
+        assert bytes(arena.buffer(8192, 4096)) == data[64:]
+        assert answer.digests == [xxhash.xxh3_64_intdigest(data[64:])]
+    finally:
+        await plane.aclose()
+        arena.close()
+
+
+def test_workers_die_with_a_killed_engine_process(tmp_path: Path) -> None:
+    """SIGKILL of the engine's process: its workers exit (PR_SET_PDEATHSIG), and the arena, a
+    memfd with no name, goes with the last mapping: nothing is left behind."""
+    script = (
+        "import asyncio, sys\n"
+        "from tiered_kv import EngineConfig, TieredKVEngine\n"
+        "async def main():\n"
+        f"    config = EngineConfig(l1_size='8MiB', l2_path={str(tmp_path / 'l2')!r},\n"
+        "                          io_plane='processes', io_workers=3)\n"
+        "    engine = await TieredKVEngine(config).open()\n"
+        "    print(*engine.io_plane.worker_pids(), flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        pids = [int(pid) for pid in child.stdout.readline().split()]
+        assert len(pids) == 3 and all(_alive(pid) for pid in pids)
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    assert _gone_within(pids, 10)

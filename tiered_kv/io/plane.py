@@ -1,0 +1,286 @@
+"""`WorkerPlane`: L2 reads in worker processes, straight into the shared L1 arena.
+
+Owns the worker processes (`tiered_kv/io/worker.py`, started by path with ``python -I``: they
+import no tiered_kv and no torch, and hold no CUDA state; fork + exec, never a bare fork), one
+``SOCK_SEQPACKET`` socket to each, and the jobs in flight on each. The loop sends a descriptor
+per chunk (the file, the header's length, the arena runs that take the payload) and awaits one
+answer (the header's bytes and each stripe's digest); the bytes themselves never cross the
+interpreter of the engine's process, whose lock therefore never paces them.
+
+Faults: a worker that dies fails the jobs it held (misses; a dead process writes nothing more
+into their buffers) and is replaced. A caller cancelled while its job runs waits for the job to
+end, `STUCK_GRACE_S` at most; then the worker is killed (its death ends the job) and replaced, so
+a stuck worker costs the deadline plus the grace, and no buffer is ever written after its read
+returned. Workers die with the engine's process (``PR_SET_PDEATHSIG``, and their socket's EOF).
+
+Must not: judge the bytes (the tier checks the header and compares the digests), or know about
+tiers. Threads: loop-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Literal
+
+from tiered_kv.errors import ConfigError, EngineStateError, TieredKVError
+from tiered_kv.memory import HostArena
+
+logger = logging.getLogger(__name__)
+
+WORKER_PATH = Path(__file__).with_name("worker.py")
+STUCK_GRACE_S = 1.0
+MAX_MESSAGE = 1 << 20
+
+
+class WorkerDied(TieredKVError):
+    """The worker holding a job died before answering: the job's chunk is a miss."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkBytes:
+    """A worker's answer: ``status`` "read" (``header``: the file's first bytes; ``digests``:
+    one per stripe, None past a short file's end), "missing" or "error" (``detail``)."""
+
+    status: Literal["read", "missing", "error"]
+    header: bytes
+    digests: list[int | None]
+    file_size: int
+    detail: str
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    process: subprocess.Popen[bytes]
+    channel: socket.socket
+    pending: dict[int, asyncio.Future[ChunkBytes]] = dataclasses.field(default_factory=dict)
+    dead: bool = False
+    killed: bool = False  # stuck: killed by the plane
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlaneStats:
+    workers: int
+    jobs: int
+    in_flight: int
+    worker_deaths: int
+    stuck_killed: int
+
+
+class WorkerPlane:
+    """``workers`` processes reading into ``arena`` (which must be shared: ``shared=True``)."""
+
+    def __init__(self, arena: HostArena, workers: int) -> None:
+        if arena.shared_fd is None:
+            raise ConfigError("io_plane 'processes' needs a shared arena (HostArena shared=True)")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"io_workers: expected an int >= 1, got {workers!r}")
+        self.arena = arena
+        self.size = workers
+        self._workers: list[_Worker] = []
+        self._ids = itertools.count()
+        self._closing = False
+        self._started = False
+        self._jobs = 0
+        self._deaths = 0
+        self._stuck_killed = 0
+
+    def serves(self, arena: HostArena) -> bool:
+        return self._started and not self._closing and arena is self.arena
+
+    def start(self) -> None:
+        """Start the workers (on the loop; each start is a fork + exec, milliseconds)."""
+        if self._started:
+            raise EngineStateError("WorkerPlane.start: already started")
+        self._started = True
+        for _ in range(self.size):
+            self._workers.append(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        arena_fd = self.arena.shared_fd
+        assert arena_fd is not None  # checked in __init__
+        try:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-I",
+                    str(WORKER_PATH),
+                    str(arena_fd),
+                    str(self.arena.mapped_bytes),
+                    str(theirs.fileno()),
+                ],
+                pass_fds=(arena_fd, theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        worker = _Worker(process, ours)
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable, worker)
+        return worker
+
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (for inspection and fault tests)."""
+        return [worker.process.pid for worker in self._workers if not worker.dead]
+
+    def stats(self) -> PlaneStats:
+        """Its workers, jobs sent, jobs in flight, deaths and stuck workers killed."""
+        live = [worker for worker in self._workers if not worker.dead]
+        return PlaneStats(
+            len(live),
+            self._jobs,
+            sum(len(worker.pending) for worker in live),
+            self._deaths,
+            self._stuck_killed,
+        )
+
+    async def read(
+        self,
+        path: str,
+        header_len: int,
+        payload_len: int,
+        extents: list[tuple[int, int]],
+        stripe_bytes: int,
+        stamp_ns: int,
+    ) -> ChunkBytes:
+        """Read the chunk file at ``path``: its first ``header_len`` bytes back, its payload
+        into the arena runs ``extents`` (in order), hashed per ``stripe_bytes``. `WorkerDied`
+        when its worker died first. Cancelled: returns once nothing writes the runs any more."""
+        if self._closing or not self._started:
+            raise EngineStateError("WorkerPlane.read: the plane is not running")
+        worker = min(
+            (w for w in self._workers if not w.dead), key=lambda w: len(w.pending), default=None
+        )
+        if worker is None:
+            raise WorkerDied("no live I/O worker")
+        job_id = next(self._ids)
+        job = (job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns)
+        future: asyncio.Future[ChunkBytes] = asyncio.get_running_loop().create_future()
+        worker.pending[job_id] = future
+        self._jobs += 1
+        try:
+            worker.channel.send(pickle.dumps(job))
+        except OSError as exc:
+            worker.pending.pop(job_id, None)
+            self._died(worker)
+            raise WorkerDied(f"I/O worker {worker.process.pid}: {exc}") from exc
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await self._until_done(worker, future)
+            raise
+
+    async def _until_done(self, worker: _Worker, future: asyncio.Future[ChunkBytes]) -> None:
+        """A cancelled caller's job: wait for it to end, killing its worker after the grace."""
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+            await asyncio.wait_for(asyncio.shield(future), STUCK_GRACE_S)
+        if not future.done():
+            if not worker.killed:  # its other jobs' callers may be leaving at the same time
+                worker.killed = True
+                self._stuck_killed += 1
+                logger.warning(
+                    "I/O worker %d still busy %.1fs after its caller left: killing it",
+                    worker.process.pid,
+                    STUCK_GRACE_S,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.process.pid, signal.SIGKILL)
+            await _exited(worker.process, 10.0)
+            self._died(worker)
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller sees its cancellation
+
+    def _on_readable(self, worker: _Worker) -> None:
+        while not worker.dead:
+            try:
+                message = worker.channel.recv(MAX_MESSAGE)
+            except BlockingIOError:
+                return
+            except OSError:
+                message = b""
+            if not message:
+                self._died(worker)
+                return
+            job_id, status, header, digests, file_size, detail = pickle.loads(message)
+            future = worker.pending.pop(job_id, None)
+            if future is not None and not future.done():
+                future.set_result(ChunkBytes(status, header, digests, file_size, detail))
+
+    def _died(self, worker: _Worker) -> None:
+        """Fail its jobs (a dead worker writes nothing more), reap it, start another."""
+        if worker.dead:
+            return
+        worker.dead = True
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(worker.channel.fileno())
+        worker.channel.close()
+        pending, worker.pending = worker.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(WorkerDied(f"I/O worker {worker.process.pid} died"))
+        if worker.process.poll() is None:
+            # Its socket closed but it may live on: it must not write into the arena any more.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.process.pid, signal.SIGKILL)
+            threading.Thread(target=worker.process.wait, name="tkv-io-reap", daemon=True).start()
+        if self._closing:
+            return
+        self._deaths += 1
+        logger.warning("I/O worker %d died; starting another", worker.process.pid)
+        self._workers = [w for w in self._workers if w is not worker]
+        self._workers.append(self._spawn())
+
+    async def aclose(self) -> None:
+        """Stop every worker (its socket closes; it exits) and wait for them; jobs still in
+        flight fail. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            if not worker.dead:
+                self._died(worker)
+        for worker in workers:
+            await _exited(worker.process, 10.0)
+
+
+async def _exited(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait, without blocking the loop, until ``process`` has exited and is reaped (at most
+    ``timeout_s``), on a thread of its own."""
+    if process.poll() is not None:
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def wait() -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout_s)
+        with contextlib.suppress(RuntimeError):  # a closed loop: nothing waits
+            loop.call_soon_threadsafe(settle)
+
+    threading.Thread(target=wait, name="tkv-io-reap", daemon=True).start()
+    await done
+
+
+def default_io_workers() -> int:
+    """Workers when none are configured: one per core, 2 to 16."""
+    return max(2, min(16, os.cpu_count() or 1))

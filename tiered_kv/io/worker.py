@@ -1,0 +1,117 @@
+"""One I/O worker process: reads chunk files straight into the shared L1 arena, hashing each
+checksum stripe as it lands, and answers with the header's bytes and the stripes' digests.
+
+Run by path (``python -I worker.py ARENA_FD ARENA_BYTES SOCKET_FD``, `tiered_kv.io.plane`
+starts it): it imports the standard library and xxhash only, never tiered_kv (whose package
+imports torch), so a worker starts in milliseconds and holds no CUDA state. It maps the arena
+(a memfd inherited as ``ARENA_FD``), serves jobs from its socket (``SOCK_SEQPACKET``, one
+pickled tuple per message) one at a time, and exits when the socket closes or its parent dies
+(``PR_SET_PDEATHSIG``). Judging the bytes (the header's checks, the checksums) is the engine's,
+on its loop: a worker only moves and hashes them.
+
+Job: ``(job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns)`` where
+``extents`` are the ``(arena offset, length)`` runs that hold the payload in order. Answer:
+``(job_id, status, header, digests, file_size, detail)``; ``status`` is ``"read"`` (``digests``
+has one entry per stripe, None past a short file's end), ``"missing"`` or ``"error"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import pickle
+import signal
+import socket
+import sys
+
+import xxhash
+
+PR_SET_PDEATHSIG = 1
+MAX_MESSAGE = 1 << 20
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (AttributeError, OSError):  # not Linux: the socket's EOF still ends the worker
+        pass
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(0)
+
+
+def _pieces(
+    arena: memoryview, extents: list[tuple[int, int]], start: int, end: int
+) -> list[memoryview]:
+    """The arena views holding payload bytes ``[start, end)``."""
+    pieces = []
+    position = 0
+    for offset, length in extents:
+        if position + length > start and position < end:
+            lo = max(start - position, 0)
+            hi = min(end - position, length)
+            pieces.append(arena[offset + lo : offset + hi])
+        position += length
+        if position >= end:
+            break
+    return pieces
+
+
+Job = tuple[int, str, int, int, list[tuple[int, int]], int, int]
+
+
+def read_chunk(arena: memoryview, job: Job) -> tuple[object, ...]:
+    job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns = job
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return (job_id, "missing", b"", [], 0, "")
+    try:
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, header_len, 0)
+        stripes = -(-payload_len // stripe_bytes) if payload_len else 0
+        digests: list[int | None] = [None] * stripes
+        offset = header_len
+        for index in range(stripes):
+            start = index * stripe_bytes
+            end = min(start + stripe_bytes, payload_len)
+            pieces = _pieces(arena, extents, start, end)
+            got = os.preadv(fd, pieces, offset)
+            if got < end - start:
+                break  # a short file: this stripe and the rest stay unread
+            state = xxhash.xxh3_64()
+            for piece in pieces:
+                state.update(piece)
+            digests[index] = state.intdigest()
+            offset += end - start
+        with contextlib.suppress(OSError):  # recency survives a restart (the index's order)
+            os.utime(fd, ns=(stamp_ns, stamp_ns))
+        return (job_id, "read", header, digests, size, "")
+    except OSError as exc:
+        return (job_id, "error", b"", [], 0, f"{type(exc).__name__}: {exc}")
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    arena_fd, arena_bytes, socket_fd = (int(value) for value in sys.argv[1:4])
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops its workers itself
+    mapping = mmap.mmap(arena_fd, arena_bytes)
+    arena = memoryview(mapping)
+    channel = socket.socket(fileno=socket_fd)
+    while True:
+        try:
+            message = channel.recv(MAX_MESSAGE)
+        except OSError:
+            return
+        if not message:
+            return
+        job = pickle.loads(message)
+        channel.sendall(pickle.dumps(read_chunk(arena, job)))
+
+
+if __name__ == "__main__":
+    main()
