@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("layout",),
     ("request",),
     ("memory",),
+    ("io",),  # the I/O plane: worker processes over the shared arena
     ("tiers", "gpu.base", "gpu.kernels", "gpu.completion"),
     ("gpu.plan", "gpu.events", "gpu.reference"),
     ("gpu.staging",),

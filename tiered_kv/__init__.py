@@ -18,6 +18,7 @@ from tiered_kv.errors import (
     TieredKVError,
 )
 from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, LayerSave, MoverStats
+from tiered_kv.io.plane import ChunkBytes, PlaneStats, WorkerPlane
 from tiered_kv.keys import ChunkKey, KeySalt, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import (
@@ -29,7 +30,7 @@ from tiered_kv.layout import (
     MemoryLayoutDesc,
     StrideDesc,
 )
-from tiered_kv.memory import ArenaStats, MemoryObj
+from tiered_kv.memory import ArenaStats, HostArena, MemoryObj
 from tiered_kv.metrics import EngineCounters, EngineStats
 from tiered_kv.prefetch import PrefetchCounters, PrefetchHandle, PrefetchStats
 from tiered_kv.retrieval import LayerwiseRetrieve, RetrieveResult, StopReason
@@ -45,6 +46,7 @@ from tiered_kv.tiers.l1 import L1Stats
 
 __all__ = [
     "ArenaStats",
+    "ChunkBytes",
     "ChunkKey",
     "ChunkTransfer",
     "CodecError",
@@ -56,6 +58,7 @@ __all__ = [
     "Format",
     "GroupLayout",
     "GroupSpec",
+    "HostArena",
     "KVCacheLayout",
     "KVLayout",
     "KVMover",
@@ -75,6 +78,7 @@ __all__ = [
     "MemoryLayoutDesc",
     "MemoryObj",
     "MoverStats",
+    "PlaneStats",
     "PrefetchCounters",
     "PrefetchHandle",
     "PrefetchPolicy",
@@ -96,6 +100,7 @@ __all__ = [
     "TieredKVError",
     "TokenIds",
     "WritePolicy",
+    "WorkerPlane",
     "WriteQueueStats",
 ]
 __version__ = "0.1.0"

@@ -18,21 +18,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from tiered_kv.benchmarks import ceilings
 from tiered_kv.benchmarks.common import free_port, process, run_on_engine_loop
-from tiered_kv.config import EngineConfig
+from tiered_kv.config import IO_PLANES, EngineConfig
 from tiered_kv.engine import TieredKVEngine
+from tiered_kv.threads import default_io_threads
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.factory import remote_tier
 from tiered_kv.tiers.l2 import DiskTier
@@ -72,6 +75,29 @@ def _caches(num_layers: int, num_blocks: int) -> list[torch.Tensor]:
         )
         for _ in range(num_layers)
     ]
+
+
+@contextlib.contextmanager
+def _busy_python(busy: bool) -> Iterator[None]:
+    """With ``busy``, a Python thread spinning beside the engine meanwhile, as the model runner
+    or the scheduler of a serving process does: what the interpreter lock costs a data plane."""
+    if not busy:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    thread = threading.Thread(target=spin, name="bench-busy", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 async def _time_prefetch(engine: TieredKVEngine, tokens: list[int], reps: int) -> list[float]:
@@ -121,7 +147,12 @@ async def _measure(args: argparse.Namespace, workdir: Path) -> list[Row]:
     rows: list[Row] = []
     log(f"{args.chunks} chunks of {total / args.chunks / 2**20:.0f} MiB ({total / 1e9:.2f} GB)")
 
-    config = EngineConfig(chunk_size=CHUNK_TOKENS, l1_size=l1_size)
+    config = EngineConfig(
+        chunk_size=CHUNK_TOKENS,
+        l1_size=l1_size,
+        io_plane=args.io_plane,
+        io_workers=args.l2_threads or default_io_threads(),  # as many as L2's read threads
+    )
     if "L2" in args.tiers:
         rows += await _l2_rows(args, workdir, config, caches, tokens, total)
     if "L3" in args.tiers:
@@ -148,7 +179,8 @@ async def _l2_rows(
         # The ceiling at our thread count, before and after ours (the better of the two).
         before = ceilings.page_cache_read_gbps(paths, threads)
         stats_before = l2.stats()
-        warm = await _time_prefetch(engine, tokens, args.reps)
+        with _busy_python(args.busy):
+            warm = await _time_prefetch(engine, tokens, args.reps)
         stats_after = l2.stats()
         reads = stats_after.hits - stats_before.hits
         read_s = stats_after.read_seconds - stats_before.read_seconds
@@ -160,7 +192,9 @@ async def _l2_rows(
             f"a chunk's read took {1e3 * read_s / max(reads, 1):.1f} ms on its thread "
             f"({total / args.chunks / 1e6 / max(read_s / max(reads, 1), 1e-9) / 1e3:.2f} GB/s)"
         )
-        rows.append(Row("L2 warm (page cache)", ours, ceiling, f"readinto, {threads} threads"))
+        extra = "" if args.io_plane == "threads" else f", {args.io_plane}"
+        label = f"L2 warm (page cache{extra}{', busy thread' if args.busy else ''})"
+        rows.append(Row(label, ours, ceiling, f"readinto, {threads} threads"))
         cold: list[float] = []
         for _ in range(args.reps):
             for path in paths:
@@ -228,6 +262,15 @@ def build_parser(prog: str | None) -> argparse.ArgumentParser:
         "--l2-threads", type=int, default=None, help="L2's I/O threads (sized from the machine)"
     )
     parser.add_argument("--dir", default=None, help="where L2 files go (default: a temp dir)")
+    parser.add_argument(
+        "--io-plane",
+        choices=IO_PLANES,
+        default="threads",
+        help="where L2 reads move their bytes (%(default)s)",
+    )
+    parser.add_argument(
+        "--busy", action="store_true", help="a busy Python thread beside the timed L2 prefetches"
+    )
     parser.add_argument("--no-plot", action="store_true", help="accepted; this prints a table")
     return parser
 

@@ -25,13 +25,11 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from tiered_kv.io.plane import WorkerPlane
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
-
-if TYPE_CHECKING:
-    from tiered_kv.io.plane import WorkerPlane
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
