@@ -1,5 +1,5 @@
 """L2 reads through I/O worker processes (``io_plane="processes"``) under faults: bit-exact
-loads, a corrupt file a miss, a worker SIGKILLed mid-read costing exactly its chunk and
+loads, a corrupt file a miss, a worker SIGKILLed mid-read costing exactly its chunks and
 replaced, a read cancelled on a stuck worker returning once that worker is dead, and no worker
 outliving its engine, whether it closed or was SIGKILLed."""
 
@@ -105,14 +105,17 @@ async def test_loads_through_worker_processes_are_bit_exact_and_a_corrupt_file_i
     assert _gone_within(pids, 5)  # aclose stopped every worker
 
 
-async def test_a_worker_killed_mid_read_costs_exactly_its_chunk_and_is_replaced(
+async def test_a_worker_killed_mid_read_costs_exactly_its_chunks_and_is_replaced(
     tmp_path: Path,
 ) -> None:
+    """One worker, four reads in flight: chunks 0-3 go out as one batch and come back as one
+    answer, then 4-7. Chunk 5's file is a FIFO, so the worker blocks inside the second batch;
+    killed there, it costs exactly that batch (chunks 4-7: misses, their blocks untouched), the
+    prefix before it loads, and a new worker takes its place."""
     caches = _caches()
     async with TieredKVEngine(_config(tmp_path, io_workers=1)) as engine:
         plane = await _stored(engine, caches)
-        # Chunk 3's file becomes a FIFO: the worker that opens it blocks there, mid-read.
-        path = _chunk_file(engine, 3)
+        path = _chunk_file(engine, 5)
         original = path.read_bytes()
         path.unlink()
         os.mkfifo(path)
@@ -121,15 +124,15 @@ async def test_a_worker_killed_mid_read_costs_exactly_its_chunk_and_is_replaced(
         before = caches.snapshot()
         load = asyncio.create_task(engine.retrieve(TOKENS, DST))
         deadline = time.monotonic() + 10
-        while plane.stats().in_flight == 0 or plane.stats().jobs < 4:
+        while plane.stats().jobs < 8:  # the second batch is out
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # the worker is inside chunk 3's open
+        await asyncio.sleep(0.1)  # the worker is inside chunk 5's open
         os.kill(victim, signal.SIGKILL)
         result = await load
-        assert result.valid_tokens == 3 * CHUNK  # chunks 0-2 only: a prefix, nothing partial
+        assert result.valid_tokens == 4 * CHUNK  # chunks 0-3: a prefix, nothing partial
         after = caches.snapshot()
-        for block in DST[6:]:  # chunk 3 on: never written
+        for block in DST[8:]:  # chunks 4-7 (two blocks each): never written
             assert all(
                 torch.equal(b[:, block], a[:, block])
                 for layer_b, layer_a in zip(before, after, strict=True)
@@ -138,8 +141,8 @@ async def test_a_worker_killed_mid_read_costs_exactly_its_chunk_and_is_replaced(
         stats = plane.stats()
         assert stats.worker_deaths == 1 and stats.workers == 1
         assert plane.worker_pids() != [victim]
-        assert engine.stats().tier("L2").read_failures >= 1
-        # The replacement serves: with chunk 3's file back, everything loads.
+        assert engine.stats().tier("L2").read_failures == 4
+        # The replacement serves: with chunk 5's file back, everything loads.
         path.unlink()
         path.write_bytes(original)
         await engine.evict_l1()

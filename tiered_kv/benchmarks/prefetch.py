@@ -172,7 +172,8 @@ async def _l2_rows(
     l2 = DiskTier(workdir / "l2", 2 * total, io_threads=args.l2_threads)
     engine = await _filled_engine(config, l2, caches, tokens)
     try:
-        threads = l2.read_parallelism
+        # The reads' real parallelism: L2's threads, or as many worker processes.
+        threads = args.l2_threads or default_io_threads()
         paths = sorted(p for p in (workdir / "l2").glob("??/*") if p.is_file())
         sweep = {n: ceilings.page_cache_read_gbps(paths, n) for n in THREAD_SWEEP}
         log("page cache -> memory, readinto: " + ceilings.sweep_text(sweep, "threads"))

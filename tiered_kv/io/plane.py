@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 WORKER_PATH = Path(__file__).with_name("worker.py")
 STUCK_GRACE_S = 1.0
 MAX_MESSAGE = 1 << 20
+MAX_BATCH = 256  # jobs per message (a job's descriptor is a few hundred bytes)
+# Reads worth having in flight per worker: a worker's share of a prefetch then goes out in one
+# message and comes back in one.
+READS_PER_WORKER = 4
 
 
 class WorkerDied(TieredKVError):
@@ -67,6 +71,7 @@ class _Worker:
     pending: dict[int, asyncio.Future[ChunkBytes]] = dataclasses.field(default_factory=dict)
     dead: bool = False
     killed: bool = False  # stuck: killed by the plane
+    outbox: list[tuple[object, ...]] = dataclasses.field(default_factory=list)  # not sent yet
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,6 +97,7 @@ class WorkerPlane:
         self._ids = itertools.count()
         self._closing = False
         self._started = False
+        self._flush_scheduled = False
         self._jobs = 0
         self._deaths = 0
         self._stuck_killed = 0
@@ -170,15 +176,14 @@ class WorkerPlane:
             raise WorkerDied("no live I/O worker")
         job_id = next(self._ids)
         job = (job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns)
-        future: asyncio.Future[ChunkBytes] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[ChunkBytes] = loop.create_future()
         worker.pending[job_id] = future
+        worker.outbox.append(job)
         self._jobs += 1
-        try:
-            worker.channel.send(pickle.dumps(job))
-        except OSError as exc:
-            worker.pending.pop(job_id, None)
-            self._died(worker)
-            raise WorkerDied(f"I/O worker {worker.process.pid}: {exc}") from exc
+        if not self._flush_scheduled:  # the reads started in this loop iteration go together
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -205,6 +210,18 @@ class WorkerPlane:
         if not future.cancelled():
             future.exception()  # retrieved: the caller sees its cancellation
 
+    def _flush(self) -> None:
+        """Send each worker the jobs queued for it, `MAX_BATCH` to a message."""
+        self._flush_scheduled = False
+        for worker in list(self._workers):
+            while worker.outbox and not worker.dead:
+                batch, worker.outbox = worker.outbox[:MAX_BATCH], worker.outbox[MAX_BATCH:]
+                try:
+                    worker.channel.send(pickle.dumps(batch))
+                except OSError as exc:
+                    logger.warning("I/O worker %d: %s", worker.process.pid, exc)
+                    self._died(worker)
+
     def _on_readable(self, worker: _Worker) -> None:
         while not worker.dead:
             try:
@@ -216,10 +233,10 @@ class WorkerPlane:
             if not message:
                 self._died(worker)
                 return
-            job_id, status, header, digests, file_size, detail = pickle.loads(message)
-            future = worker.pending.pop(job_id, None)
-            if future is not None and not future.done():
-                future.set_result(ChunkBytes(status, header, digests, file_size, detail))
+            for job_id, status, header, digests, file_size, detail in pickle.loads(message):
+                future = worker.pending.pop(job_id, None)
+                if future is not None and not future.done():
+                    future.set_result(ChunkBytes(status, header, digests, file_size, detail))
 
     def _died(self, worker: _Worker) -> None:
         """Fail its jobs (a dead worker writes nothing more), reap it, start another."""
@@ -230,6 +247,7 @@ class WorkerPlane:
         loop.remove_reader(worker.channel.fileno())
         worker.channel.close()
         pending, worker.pending = worker.pending, {}
+        worker.outbox.clear()
         for future in pending.values():
             if not future.done():
                 future.set_exception(WorkerDied(f"I/O worker {worker.process.pid} died"))

@@ -5,7 +5,8 @@ Run by path (``python -I worker.py ARENA_FD ARENA_BYTES SOCKET_FD``, `tiered_kv.
 starts it): it imports the standard library and xxhash only, never tiered_kv (whose package
 imports torch), so a worker starts in milliseconds and holds no CUDA state. It maps the arena
 (a memfd inherited as ``ARENA_FD``), serves jobs from its socket (``SOCK_SEQPACKET``, one
-pickled tuple per message) one at a time, and exits when the socket closes or its parent dies
+pickled list of jobs per message; every job waiting is taken and answered together, in one
+message), and exits when the socket closes or its parent dies
 (``PR_SET_PDEATHSIG``). Judging the bytes (the header's checks, the checksums) is the engine's,
 on its loop: a worker only moves and hashes them.
 
@@ -103,14 +104,23 @@ def main() -> None:
     arena = memoryview(mapping)
     channel = socket.socket(fileno=socket_fd)
     while True:
-        try:
-            message = channel.recv(MAX_MESSAGE)
-        except OSError:
-            return
-        if not message:
-            return
-        job = pickle.loads(message)
-        channel.sendall(pickle.dumps(read_chunk(arena, job)))
+        # Every batch already sent is taken at once and answered in one message: the engine's
+        # loop then wakes once for all of them (each wake-up beside a busy Python thread can
+        # wait a switch interval for the interpreter lock).
+        jobs: list[Job] = []
+        flags = 0
+        while True:
+            try:
+                message = channel.recv(MAX_MESSAGE, flags)
+            except BlockingIOError:
+                break
+            except OSError:
+                return
+            if not message:
+                return
+            jobs.extend(pickle.loads(message))
+            flags = socket.MSG_DONTWAIT
+        channel.sendall(pickle.dumps([read_chunk(arena, job) for job in jobs]))
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ from tiered_kv.codec import (
 )
 from tiered_kv.config import L2_DURABILITIES, L2Durability
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError, TieredKVError
-from tiered_kv.io.plane import WorkerPlane
+from tiered_kv.io.plane import READS_PER_WORKER, WorkerPlane
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
@@ -270,6 +270,9 @@ class DiskTier(LowerTier):
 
     @property
     def read_parallelism(self) -> int:
+        """Its read threads; with an I/O plane, `READS_PER_WORKER` per worker process."""
+        if self._plane is not None:
+            return self._plane.size * READS_PER_WORKER
         return self._read_pool.size
 
     @property
