@@ -554,8 +554,13 @@ async def test_the_engines_layerwise_store_is_one_mover_call() -> None:
     assert engine.leaked_on_close == 0
 
 
+@pytest.mark.parametrize("io_plane", ["threads", "processes"])
 @pytest.mark.parametrize("fmt", ["vllm_nhd", "vllm_hnd_view", "flashinfer_hnd", "mla"])
-async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fmt: str) -> None:
+async def test_engine_layerwise_retrieve_equals_whole_retrieve(
+    tmp_path: Any, fmt: str, io_plane: str
+) -> None:
+    """Whole and layerwise, from L1 and after L2 (its reads on threads, or in worker processes
+    straight into the pinned, shared arena)."""
     num_tokens = 200
     blocks = math.ceil(num_tokens / BLOCK)
     caches = make_caches(
@@ -565,10 +570,15 @@ async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fm
     src = list(range(1, 1 + blocks))
     dst = [2 * blocks + 1 - i for i in range(blocks)]
     config = EngineConfig(
-        chunk_size=CHUNK, l1_size="64MiB", l2_path=str(tmp_path / "l2"), l2_durability="none"
+        chunk_size=CHUNK,
+        l1_size="64MiB",
+        l2_path=str(tmp_path / "l2"),
+        l2_durability="none",
+        io_plane=io_plane,  # type: ignore[arg-type]
     )
     async with TieredKVEngine(config) as engine:
         engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert engine.storage.l1.arena.pinned
         assert await engine.store(tokens, src) == num_tokens
         await engine.flush(timeout=30)
         reference = caches.snapshot()
@@ -589,4 +599,7 @@ async def test_engine_layerwise_retrieve_equals_whole_retrieve(tmp_path: Any, fm
             await load.wait()
             expect_copy(caches, expected, reference, src, dst, range(skip, num_tokens), BLOCK)
             assert caches.bytes_equal(expected), f"skip={skip}"
+        if io_plane == "processes":
+            plane = engine.io_plane
+            assert plane is not None and plane.stats().jobs > 0  # L2's bytes came through it
     assert engine.leaked_on_close == 0
