@@ -174,13 +174,23 @@ async def test_a_read_cancelled_on_a_stuck_worker_returns_once_the_worker_is_kil
         assert not _alive(stuck)  # dead before the read returned
         stats = plane.stats()
         assert (stats.stuck_killed, stats.workers, stats.in_flight) == (1, 1, 0)
-        # The new worker reads a real file straight into the arena.
-        data = os.urandom(4096 + 64)
-        (tmp_path / "file").write_bytes(data)
-        answer = await plane.read(str(tmp_path / "file"), 64, 4096, [(8192, 4096)], 4096, 1)
-        assert (answer.status, answer.header, answer.file_size) == ("read", data[:64], len(data))
-        assert bytes(arena.buffer(8192, 4096)) == data[64:]
-        assert answer.digests == [xxhash.xxh3_64_intdigest(data[64:])]
+        # The new worker reads a real file straight into the arena, and says whether its
+        # payload was in the page cache before (just written: yes; dropped: no).
+        data = os.urandom(4096 + 4096)
+        path = tmp_path / "file"
+        path.write_bytes(data)
+        answer = await plane.read(str(path), 4096, 4096, [(8192, 4096)], 4096, 1)
+        assert (answer.status, answer.header, answer.file_size) == ("read", data[:4096], 8192)
+        assert bytes(arena.buffer(8192, 4096)) == data[4096:]
+        assert answer.digests == [xxhash.xxh3_64_intdigest(data[4096:])]
+        assert answer.cached is True
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert (await plane.read(str(path), 4096, 4096, [(0, 4096)], 4096, 1)).cached is False
     finally:
         await plane.aclose()
         arena.close()

@@ -27,6 +27,7 @@ from tiered_kv.codec import (
     encoded_header_len,
 )
 from tiered_kv.errors import EngineStateError, L2DirectoryInUseError, TieredKVError
+from tiered_kv.io import pagecache
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_keys
 from tiered_kv.layout import GroupLayout, MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
@@ -1236,14 +1237,14 @@ def test_cached_fraction_asks_the_page_cache_and_reads_nothing_in(tmp_path: Path
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        assert l2.files.cached_fraction(fd, 8 << 20) == 1.0  # just written
+        assert pagecache.cached_fraction(fd, 8 << 20) == 1.0  # just written
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert l2.files.cached_fraction(fd, 8 << 20) == 0.0
-        assert l2.files.cached_fraction(fd, 8 << 20) == 0.0  # asking read nothing in
+        assert pagecache.cached_fraction(fd, 8 << 20) == 0.0
+        assert pagecache.cached_fraction(fd, 8 << 20) == 0.0  # asking read nothing in
         os.pread(fd, 4 << 20, 0)
-        share = l2.files.cached_fraction(fd, 8 << 20)
+        share = pagecache.cached_fraction(fd, 8 << 20)
         assert share is not None and share >= 0.5  # the half read (and its readahead)
-        assert l2.files.cached_fraction(fd, 0) is None
+        assert pagecache.cached_fraction(fd, 0) is None
     finally:
         os.close(fd)
 

@@ -61,6 +61,7 @@ class ChunkBytes:
     header: bytes
     digests: list[int | None]
     file_size: int
+    cached: bool | None  # the payload's first pages were in the page cache before the read
     detail: str
 
 
@@ -233,10 +234,10 @@ class WorkerPlane:
             if not message:
                 self._died(worker)
                 return
-            for job_id, status, header, digests, file_size, detail in pickle.loads(message):
+            for job_id, *answer in pickle.loads(message):
                 future = worker.pending.pop(job_id, None)
                 if future is not None and not future.done():
-                    future.set_result(ChunkBytes(status, header, digests, file_size, detail))
+                    future.set_result(ChunkBytes(*answer))
 
     def _died(self, worker: _Worker) -> None:
         """Fail its jobs (a dead worker writes nothing more), reap it, start another."""

@@ -1,33 +1,50 @@
 """One I/O worker process: reads chunk files straight into the shared L1 arena, hashing each
 checksum stripe as it lands, and answers with the header's bytes and the stripes' digests.
 
-Run by path (``python -I worker.py ARENA_FD ARENA_BYTES SOCKET_FD``, `tiered_kv.io.plane`
-starts it): it imports the standard library and xxhash only, never tiered_kv (whose package
-imports torch), so a worker starts in milliseconds and holds no CUDA state. It maps the arena
-(a memfd inherited as ``ARENA_FD``), serves jobs from its socket (``SOCK_SEQPACKET``, one
-pickled list of jobs per message; every job waiting is taken and answered together, in one
-message), and exits when the socket closes or its parent dies
-(``PR_SET_PDEATHSIG``). Judging the bytes (the header's checks, the checksums) is the engine's,
-on its loop: a worker only moves and hashes them.
+Run by path (``python -I worker.py ARENA_FD ARENA_BYTES SOCKET_FD``, `tiered_kv.io.plane` starts
+it): it imports the standard library, xxhash and `pagecache.py` beside it, never tiered_kv (whose
+package imports torch), so a worker starts in milliseconds and holds no CUDA state. It maps the
+arena (a memfd inherited as ``ARENA_FD``), serves jobs from its socket (``SOCK_SEQPACKET``, one
+pickled list of jobs per message; every job waiting is taken and answered together, in one message),
+and exits when the socket closes or its parent dies (``PR_SET_PDEATHSIG``). Judging the bytes (the
+header's checks, the checksums) is the engine's, on its loop: a worker only moves and hashes them.
 
 Job: ``(job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns)`` where
 ``extents`` are the ``(arena offset, length)`` runs that hold the payload in order. Answer:
-``(job_id, status, header, digests, file_size, detail)``; ``status`` is ``"read"`` (``digests``
-has one entry per stripe, None past a short file's end), ``"missing"`` or ``"error"``.
+``(job_id, status, header, digests, file_size, cached, detail)``; ``status`` is ``"read"``
+(``digests`` has one entry per stripe, None past a short file's end; ``cached``: whether the
+payload's first pages were in the page cache before the read, None where the system cannot
+tell), ``"missing"`` or ``"error"``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import mmap
 import os
 import pickle
 import signal
 import socket
 import sys
+from typing import Any
 
 import xxhash
+
+
+def _load_pagecache() -> Any:
+    """`pagecache.py` beside this file, by path (stdlib only; never the tiered_kv package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagecache.py")
+    spec = importlib.util.spec_from_file_location("tkv_pagecache", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pagecache = _load_pagecache()
 
 PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20
@@ -68,9 +85,12 @@ def read_chunk(arena: memoryview, job: Job) -> tuple[object, ...]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return (job_id, "missing", b"", [], 0, "")
+        return (job_id, "missing", b"", [], 0, None, "")
     try:
         size = os.fstat(fd).st_size
+        # Before reading: whether the payload's first pages were in the page cache already.
+        share = pagecache.cached_fraction(fd, min(2 * stripe_bytes, payload_len), header_len)
+        cached = None if share is None else share >= 0.5
         header = os.pread(fd, header_len, 0)
         stripes = -(-payload_len // stripe_bytes) if payload_len else 0
         digests: list[int | None] = [None] * stripes
@@ -89,9 +109,9 @@ def read_chunk(arena: memoryview, job: Job) -> tuple[object, ...]:
             offset += end - start
         with contextlib.suppress(OSError):  # recency survives a restart (the index's order)
             os.utime(fd, ns=(stamp_ns, stamp_ns))
-        return (job_id, "read", header, digests, size, "")
+        return (job_id, "read", header, digests, size, cached, "")
     except OSError as exc:
-        return (job_id, "error", b"", [], 0, f"{type(exc).__name__}: {exc}")
+        return (job_id, "error", b"", [], 0, None, f"{type(exc).__name__}: {exc}")
     finally:
         os.close(fd)
 

@@ -35,12 +35,12 @@ from tiered_kv.codec import (
     stripe_count,
 )
 from tiered_kv.errors import CodecError
+from tiered_kv.io.pagecache import cached_fraction
 from tiered_kv.threads import check_abort
 from tiered_kv.tiers.l2.files import (
     NO_SPACE_ERRNOS,
     DirectorySyncer,
     FileOps,
-    cached_fraction,
     read_header,
     readinto_exact,
     unlink_quietly,

@@ -72,6 +72,7 @@ from tiered_kv.codec import (
 )
 from tiered_kv.config import L2_DURABILITIES, L2Durability
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError, TieredKVError
+from tiered_kv.io.pagecache import cached_fraction
 from tiered_kv.io.plane import READS_PER_WORKER, WorkerPlane
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
@@ -85,7 +86,6 @@ from tiered_kv.tiers.l2.files import (
     TEMP_SUFFIX,
     DirectorySyncer,
     FileOps,
-    cached_fraction,
     set_mtimes,
     unlink_paths,
     vanished,
@@ -620,7 +620,7 @@ class DiskTier(LowerTier):
             plane = self._plane
             outcome, detail = ReadOutcome.CORRUPT, "not read"
             if plane is not None and plane.serves(obj.arena):
-                outcome, detail = await self._read_in_worker(plane, key, entry, obj, specs)
+                outcome, detail, cached = await self._read_in_worker(plane, key, entry, obj, specs)
             if outcome is not ReadOutcome.HIT:
                 # On the tier's threads (also what judges a file the worker's read did not
                 # pass: the threads read the whole header, so their verdict names the cause).
@@ -678,9 +678,10 @@ class DiskTier(LowerTier):
         entry: Entry,
         obj: MemoryObj,
         specs: tuple[GroupSpec, ...],
-    ) -> tuple[ReadOutcome, str]:
+    ) -> tuple[ReadOutcome, str, bool | None]:
         """The chunk read by an I/O worker straight into ``obj``, judged here: HIT, MISSING, or
-        CORRUPT with why (the caller reads it again on its threads to name the cause)."""
+        CORRUPT with why (the caller reads it again on its threads to name the cause); and
+        whether its file was in the page cache before."""
         key_bytes = key.to_bytes()
         header_len = check_encodable(key_bytes, obj.num_tokens, specs, self.limits)
         offsets = obj.layout.group_offsets(obj.num_tokens)
@@ -697,13 +698,13 @@ class DiskTier(LowerTier):
             self._stamp(),
         )
         if answer.status == "missing":
-            return ReadOutcome.MISSING, ""
+            return ReadOutcome.MISSING, "", None
         if answer.status != "read":
-            return ReadOutcome.CORRUPT, answer.detail
+            return ReadOutcome.CORRUPT, answer.detail, None
         try:
             header = decode_header(answer.header, self.limits)
         except CodecError as exc:
-            return ReadOutcome.CORRUPT, f"bad header: {exc}"
+            return ReadOutcome.CORRUPT, f"bad header: {exc}", None
         check, detail = check_frame_header(
             header,
             key_bytes=key_bytes,
@@ -712,11 +713,11 @@ class DiskTier(LowerTier):
             frame_len=answer.file_size,
         )
         if check is not FrameCheck.OK:
-            return ReadOutcome.CORRUPT, detail
+            return ReadOutcome.CORRUPT, detail, None
         problem = check_payload_checksums(header, answer.digests)
         if problem is not None:
-            return ReadOutcome.CORRUPT, problem
-        return ReadOutcome.HIT, ""
+            return ReadOutcome.CORRUPT, problem, None
+        return ReadOutcome.HIT, "", answer.cached
 
     async def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Move ``keys`` to the recent end of the LRU and stamp their files' mtimes (one thread
