@@ -387,13 +387,14 @@ def test_policy_config_from_env() -> None:
 async def test_prefetch_takes_each_tier_s_own_parallelism_unless_the_config_sets_one(
     tmp_path: Path,
 ) -> None:
-    """An L2 of 3 I/O threads gets 3 reads in flight; prefetch_concurrency overrides it."""
-    for concurrency, expected in ((None, 3), (2, 2)):
-        tier = DiskTier(tmp_path / f"l2-{concurrency}", 1 << 30, io_threads=3)
-        async with TieredKVEngine(
-            _config(prefetch_concurrency=concurrency), lower_tiers=[tier]
-        ) as engine:
-            assert tier.read_parallelism == 3
+    """An L2 of 3 I/O threads gets 3 reads in flight, one read through 2 worker processes 8
+    (4 per worker); prefetch_concurrency overrides either."""
+    cases = (("threads", None, 3), ("threads", 2, 2), ("processes", None, 8), ("processes", 2, 2))
+    for plane, concurrency, expected in cases:
+        tier = DiskTier(tmp_path / f"l2-{plane}-{concurrency}", 1 << 30, io_threads=3)
+        config = _config(prefetch_concurrency=concurrency, io_plane=plane, io_workers=2)
+        async with TieredKVEngine(config, lower_tiers=[tier]) as engine:
+            assert tier.read_parallelism == (3 if plane == "threads" else 8)
             assert engine.stats().prefetch.read_slots["l2"] == expected
 
 

@@ -37,7 +37,7 @@ PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 LoadPolicy = Literal["cost", "always"]
 WritePolicy = Literal["write_through", "write_back", "selective"]
 L2Durability = Literal["none", "batched", "per_write"]
-IoPlane = Literal["threads", "processes"]
+IoPlane = Literal["auto", "threads", "processes"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 LOAD_POLICIES: tuple[LoadPolicy, ...] = get_args(LoadPolicy)
 WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
@@ -135,10 +135,12 @@ class EngineConfig:
         may lose the chunks written since the last sync and never serves a torn one
         (docs/architecture.md, "L2 disk tier").
     l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
-    io_plane: where L2 reads move their bytes: "threads" (the tier's threads in this process)
-        or "processes" (I/O worker processes that read straight into L1, which is then a shared
-        memfd mapping; Linux; `tiered_kv.io.plane`), so the engine's interpreter lock never
-        paces them. Writes, and reads under a custom ``file_ops``, stay on threads.
+    io_plane: where L2 reads move their bytes: "processes" (I/O worker processes that read
+        straight into L1, which is then a shared memfd mapping; `tiered_kv.io.plane`), so the
+        engine's interpreter lock never paces them; "threads" (the tier's threads in this
+        process); "auto" (the default): processes where shared memory works (Linux), else
+        threads. Workers start only when a tier reads through them (an L2 directory). Writes,
+        and reads under a custom ``file_ops``, stay on threads.
     io_workers: worker processes of the "processes" plane; None sizes them from the machine
         (one per core, 2 to 16).
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
@@ -189,7 +191,7 @@ class EngineConfig:
     pin_memory: bool | None = None
     l2_durability: L2Durability = "batched"
     l2_sync_interval_s: float = 0.1
-    io_plane: IoPlane = "threads"
+    io_plane: IoPlane = "auto"
     io_workers: int | None = None
     prefetch_policy: PrefetchPolicy = "wait_complete"
     prefetch_timeout_base_s: float = 0.005

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from tiered_kv.config import EngineConfig
 from tiered_kv.gpu.base import KVMover
 from tiered_kv.gpu.dispatch import DeviceMover
-from tiered_kv.io.plane import WorkerPlane, default_io_workers
+from tiered_kv.io.plane import WorkerPlane, default_io_workers, shared_memory_works
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.memory import HostArena
 from tiered_kv.metrics import EngineCounters
@@ -64,18 +64,20 @@ class EngineRuntime:
         """Allocate the arena, open the tiers, and make the prefetch controller, the mover
         (``mover``, else the device's) and the retriever. When a tier refuses to open, what was
         made is freed again and the error raised."""
-        processes = config.io_plane == "processes"
+        processes = config.io_plane == "processes" or (
+            config.io_plane == "auto" and shared_memory_works()
+        )
         arena = HostArena(config.l1_bytes, pin=config.pin_memory, shared=processes)
         storage: StorageManager | None = None
         plane: WorkerPlane | None = None
         try:
             lower = [*tier_factory.lower_tiers(config), *extra_tiers]
             if processes:
-                workers = config.io_workers or default_io_workers()
-                plane = WorkerPlane(arena, workers)
-                plane.start()
-                for tier in lower:
-                    tier.use_plane(plane)
+                plane = WorkerPlane(arena, config.io_workers or default_io_workers())
+                if [tier for tier in lower if tier.use_plane(plane)]:
+                    plane.start()
+                else:  # no tier reads through it: no worker to start
+                    plane = None
             storage = StorageManager(
                 L1Tier(arena),
                 lower,

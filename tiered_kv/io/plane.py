@@ -300,6 +300,12 @@ async def _exited(process: subprocess.Popen[bytes], timeout_s: float) -> None:
     await done
 
 
+def shared_memory_works() -> bool:
+    """Whether this system offers what the plane needs: an anonymous shared mapping to pass to
+    worker processes (``memfd_create``, Linux)."""
+    return hasattr(os, "memfd_create")
+
+
 def default_io_workers() -> int:
     """Workers when none are configured: one per core, 2 to 16."""
     return max(2, min(16, os.cpu_count() or 1))

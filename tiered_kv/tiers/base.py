@@ -123,11 +123,11 @@ class LowerTier(abc.ABC):
         writers for the tier's queue): a tier with its own write threads says how many."""
         return DEFAULT_WRITE_PARALLELISM
 
-    def use_plane(self, plane: WorkerPlane | None) -> None:
-        """The engine's I/O worker processes (``io_plane="processes"``), offered before
-        `open`: a tier whose reads are file I/O may move their bytes through them. Default:
-        not used."""
-        return None
+    def use_plane(self, plane: WorkerPlane | None) -> bool:
+        """The engine's I/O worker processes (``io_plane``), offered before `open`, not yet
+        started: a tier whose reads are file I/O may move their bytes through them. True when
+        it will (the engine starts the workers only then). Default: not used."""
+        return False
 
     @abc.abstractmethod
     async def open(self) -> None:

@@ -217,11 +217,12 @@ class DiskTier(LowerTier):
         self._read_seconds = 0.0
         self._plane: WorkerPlane | None = None
 
-    def use_plane(self, plane: WorkerPlane | None) -> None:
+    def use_plane(self, plane: WorkerPlane | None) -> bool:
         """Read chunks whose objects lie in ``plane``'s arena through its worker processes
         (None: every read on this tier's threads). A tier with its own ``file_ops`` (a fault
         seam) keeps its reads on its threads, where that seam is."""
         self._plane = plane if self.file_ops is DEFAULT_FILE_OPS else None
+        return self._plane is not None
 
     # -- lifetime ---------------------------------------------------------------------------
     async def open(self) -> None:
