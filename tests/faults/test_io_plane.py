@@ -19,6 +19,7 @@ import xxhash
 
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
+from tiered_kv.benchmarks.ceilings import drop_cached_pages
 from tiered_kv.io.plane import STUCK_GRACE_S, WorkerPlane
 from tiered_kv.memory import HostArena
 
@@ -184,12 +185,7 @@ async def test_a_read_cancelled_on_a_stuck_worker_returns_once_the_worker_is_kil
         assert bytes(arena.buffer(8192, 4096)) == data[4096:]
         assert answer.digests == [xxhash.xxh3_64_intdigest(data[4096:])]
         assert answer.cached is True
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_cached_pages(path)
         assert (await plane.read(str(path), 4096, 4096, [(0, 4096)], 4096, 1)).cached is False
     finally:
         await plane.aclose()
