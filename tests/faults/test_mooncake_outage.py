@@ -122,12 +122,17 @@ async def test_an_outage_is_noticed_once_then_every_request_misses_at_once_until
             f"while the circuit is open: {lookup_us:.0f} us; circuit closed {closed_s:.2f} s "
             "after the master's restart"
         )
-        await _loads_again(engine, caches, src)
+        # One outage, said once each way.
         client = engine.stats().tier("L3").client
         assert (client["circuit_opens"], client["circuit_closes"]) == (1, 1)
+        assert _circuit_records(caplog, "circuit open") == 1
+        assert _circuit_records(caplog, "circuit closed") == 1
+        await _loads_again(engine, caches, src)
+        # (A call on a connection to the old master may still fail once after it: a miss that
+        # trips the circuit again until the next probe; it ends closed either way.)
+        client = engine.stats().tier("L3").client
+        assert client["circuit_open"] == 0
         assert engine.stats().tier("L3").corrupt == 0
-    assert _circuit_records(caplog, "circuit open") == 1
-    assert _circuit_records(caplog, "circuit closed") == 1
 
 
 @pytest.mark.slow
