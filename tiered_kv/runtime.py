@@ -74,7 +74,9 @@ class EngineRuntime:
             lower = [*tier_factory.lower_tiers(config), *extra_tiers]
             if processes:
                 plane = WorkerPlane(arena, config.io_workers or default_io_workers())
-                if [tier for tier in lower if tier.use_plane(plane)]:
+                # Every tier is offered the plane (no short-circuit): each keeps its answer.
+                users = [tier for tier in lower if tier.use_plane(plane)]
+                if users:
                     plane.start()
                 else:  # no tier reads through it: no worker to start
                     plane = None
