@@ -7,6 +7,14 @@ retrieves), (2) writes the new tokens' K/V into their slots (vLLM's ``reshape_an
 (3) calls ``on_layer_written(layer)`` (layerwise stores: ``saver.save_layer``), (4) returns the
 whole request's K/V, gathered from the paged cache into the contiguous form sdpa needs.
 
+Attention over a cached prefix runs as serving engines run it (`prefix_sdpa_attention`, the
+model's attention implementation): causal with the mask aligned to the end (the new tokens are
+the last ``q_len`` of ``kv_len`` positions), no mask tensor built, so torch's SDPA picks its
+FlashAttention or memory-efficient kernel (``causal_lower_right``). transformers' own ``sdpa``
+builds a ``q_len x kv_len`` mask for a prefix and falls back to a masked kernel, slower than
+recomputing the whole prompt (a 16k prefill over 16k cached tokens took longer than 32k from
+scratch on an H200): no serving engine behaves like that.
+
 `PrefillGraphs` runs the same prefill from CUDA graphs (one per decoder layer, plus the embedding
 and the head), as serving engines do: vLLM replays its model's pieces between attention ops from
 CUDA graphs, or runs compiled code. transformers' eager forward spends about 1.5 ms of Python per
@@ -26,8 +34,59 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTENTION = "tkv_prefix_sdpa"
+
+
+def prefix_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of ``query`` (``[1, heads, q_len, d]``, the last ``q_len`` positions)
+    over ``key`` / ``value`` (``[1, kv_heads, kv_len, d]``, every position): query ``i`` sees
+    keys ``0 .. kv_len - q_len + i``. A prefill from scratch (``q_len == kv_len``) is SDPA's
+    plain causal case; one token sees every key; a prefix prefill passes torch's
+    ``causal_lower_right`` bias, which runs FlashAttention (or the memory-efficient kernel)
+    with the mask aligned to the end and never materializes it. Returns ``[1, q_len, heads,
+    d]`` as transformers' attention functions do."""
+    if attention_mask is not None:
+        raise ValueError(f"{ATTENTION}: builds its own causal mask; got one from transformers")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask: Any = None
+    if 1 < q_len < kv_len:
+        mask = causal_lower_right(q_len, kv_len)
+    elif q_len > kv_len:
+        raise ValueError(f"{ATTENTION}: {q_len} queries over {kv_len} keys")
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=q_len == kv_len and q_len > 1,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """`prefix_sdpa_attention` needs no mask tensor: transformers builds none."""
+    return None
+
+
+AttentionInterface.register(ATTENTION, prefix_sdpa_attention)
+AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,12 +135,13 @@ TINY = ModelShape(
 
 
 def build_model(shape: ModelShape, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
-    """Random-init bf16 sdpa Llama made directly on ``device`` (no fp32 copy, nothing
-    downloaded); transformers' own init (normal, std 0.02) runs there, fast on a GPU."""
+    """Random-init bf16 Llama with `prefix_sdpa_attention`, made directly on ``device`` (no
+    fp32 copy, nothing downloaded); transformers' own init (normal, std 0.02) runs there, fast
+    on a GPU."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(
-            shape.config(), dtype=torch.bfloat16, attn_implementation="sdpa"
+            shape.config(), dtype=torch.bfloat16, attn_implementation=ATTENTION
         )
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"expected a LlamaForCausalLM, got {type(model).__name__}")

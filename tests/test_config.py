@@ -201,7 +201,7 @@ def test_l3_url_is_accepted(url: str) -> None:
 
 
 def test_lower_write_queue_bounds_every_lower_tier_and_has_no_other_name() -> None:
-    assert EngineConfig().lower_write_queue == 256
+    assert EngineConfig().lower_write_queue == 4096
     assert EngineConfig(lower_write_queue=9).lower_write_queue == 9
     assert EngineConfig.from_env({"TIERED_KV_LOWER_WRITE_QUEUE": "11"}).lower_write_queue == 11
     with pytest.raises(TypeError, match="l2_write_queue"):

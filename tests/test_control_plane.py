@@ -133,6 +133,73 @@ async def test_a_chunk_being_demoted_stays_readable_and_is_written_once(
     assert storage.stats().demoting == 0 and storage.l1.stats().dirty == 0
 
 
+async def test_a_full_queue_drops_its_oldest_write_still_in_l1_and_keeps_one_l1_lost(
+    parts_factory: list[Parts],
+) -> None:
+    """A queue of 2 behind a stuck tier (each writer holds one chunk): chunk 2 waits, then its
+    L1 entry goes (its bytes live only in the queue now); chunk 3 waits. Chunks 4 and 5 each
+    take the place of the oldest waiting write whose chunk is still in L1 (3, then 4), never
+    chunk 2's, which would be lost from the cache altogether."""
+    tier = FaultyTier(MemoryTier())
+    tier.gate = asyncio.Event()
+    parts = await open_parts(parts_factory, [tier], write_queue=2)
+    keys = make_keys(6)
+    for index in range(4):
+        assert parts.store(keys[index], index)
+        if index < 2:
+            for _ in range(3):  # an idle writer takes it (and waits at the gate)
+                await asyncio.sleep(0)
+        if index == 2:
+            assert parts.l1.remove(keys[2])
+    wq = parts.storage._queues[0]
+    assert list(wq.line.waiting) == [keys[2], keys[3]]
+    assert parts.store(keys[4], 4)
+    assert list(wq.line.waiting) == [keys[2], keys[4]]
+    assert parts.store(keys[5], 5)
+    assert list(wq.line.waiting) == [keys[2], keys[5]]
+    (traffic,) = parts.storage.stats().tiers
+    assert traffic.writes is not None
+    assert (traffic.writes.dropped_full, traffic.writes.dropped_in_l1) == (2, 2)
+    tier.gate.set()
+    assert await parts.storage.flush() == 0
+    assert [tier.contains(key) for key in keys] == [True, True, True, False, False, True]
+    # Chunk 2 reads back from the tier with its own bytes.
+    obj = parts.storage.allocate(LAYOUT, CHUNK)
+    assert obj is not None
+    try:
+        assert await tier.get_into(keys[2], obj)
+        assert bool((obj.raw() == 2).all())
+    finally:
+        obj.unref()
+
+
+async def test_a_queue_bounded_in_bytes_takes_one_chunk_however_large_when_empty(
+    parts_factory: list[Parts],
+) -> None:
+    """``write_queue_bytes`` of 1.5 chunks: one chunk waits, the second does not fit; a bound
+    below one chunk still lets one wait (else nothing larger than it would ever be written),
+    and `write_room` counts what fits without dropping."""
+    for bound, room in ((NBYTES * 3 // 2, 1), (NBYTES // 2, 1)):
+        tier = FaultyTier(MemoryTier())
+        tier.gate = asyncio.Event()
+        parts = await open_parts(parts_factory, [tier], write_queue=100, write_queue_bytes=bound)
+        keys = make_keys(5, salt=bound)
+        for index in range(2):  # both writers busy at the gate
+            assert parts.store(keys[index], index)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        assert parts.storage.write_room([NBYTES] * 3) == room
+        assert parts.store(keys[2], 2)
+        assert parts.storage.write_room([NBYTES]) == 0
+        assert parts.store(keys[3], 3)  # L1 takes it; the queue drops chunk 2 for it
+        (traffic,) = parts.storage.stats().tiers
+        assert traffic.writes is not None
+        assert (traffic.writes.queue_depth, traffic.writes.queue_bytes) == (1, NBYTES)
+        assert traffic.writes.dropped_full == 1
+        tier.gate.set()
+        assert await parts.storage.flush() == 0
+
+
 async def test_a_full_write_queue_drops_write_through_copies_and_counts_them(
     parts_factory: list[Parts],
 ) -> None:

@@ -13,6 +13,7 @@ import torch
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.errors import ConfigError
+from tiered_kv.storage import WRITE_STALL_S
 from tiered_kv.tiers.l2 import DiskTier
 from tiered_kv.tiers.testing import FaultyTier, MemoryTier
 
@@ -288,21 +289,42 @@ async def test_per_tier_policies_and_stores_skip_what_a_tier_holds(caches: KVCac
         await _no_leak(e)
 
 
-async def test_a_full_write_queue_drops_and_counts_without_blocking(caches: KVCaches) -> None:
+async def test_a_stuck_tier_stalls_one_store_then_full_queues_drop_their_oldest(
+    caches: KVCaches,
+) -> None:
+    """A tier whose writes never end: the store waits for write room once, gives up after
+    `WRITE_STALL_S` without a write ending, and commits the rest to L1, each new chunk taking
+    the queue's place of the oldest waiting one (still in L1, so nothing is lost from the
+    cache). The next store does not wait at all while the writes stay stalled."""
     inner = MemoryTier()
     tier = FaultyTier(inner)
     tier.gate = asyncio.Event()  # the tier never finishes a write until opened
     async with TieredKVEngine(_config(lower_write_queue=1), lower_tiers=[tier]) as e:
         e.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
-        # A hang guard, not a timing claim: store must not wait for the stuck tier.
-        assert await asyncio.wait_for(e.store(TOKENS, SRC), 5.0) == 100
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await asyncio.wait_for(e.store(TOKENS, SRC), 5.0) == 100  # a hang guard
+        assert loop.time() - started >= WRITE_STALL_S  # it did wait for the writes
+        assert e.storage.writes_stalled and e.storage.write_stalls == 1
         writes = e.stats().storage.tier("L2").writes
-        assert writes.dropped_full == 3  # one queued, three dropped, none waited
-        assert writes.pending == 1
+        assert writes is not None
+        # Chunk 0 went out and is stuck; 1, 2, 3 came after the stall: 1 and then 2 left the
+        # queue for the next, 3 is in flight on the second writer.
+        assert (writes.dropped_full, writes.dropped_in_l1, writes.pending) == (2, 2, 2)
+        keys = e.chunk_keys(TOKENS)
+        assert e.storage._queues[0].pending == {keys[0], keys[3]}
+        # Stalled: a second prompt's store commits to L1 at once (its writes dropped).
+        other = list(range(7000, 7100))
+        started = loop.time()
+        assert await e.store(other, DST) == 100
+        assert loop.time() - started < WRITE_STALL_S
+        assert e.storage.write_stalls == 1
         tier.gate.set()
         await e.flush()
-        assert inner.stats().entries == 1
+        assert not e.storage.writes_stalled  # a write ended
+        assert [inner.contains(key) for key in keys] == [True, False, False, True]
         assert await e.lookup(TOKENS) == 100  # still served from L1
+        assert await e.lookup(other) == 100
 
 
 @pytest.mark.parametrize(

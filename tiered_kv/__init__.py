@@ -18,7 +18,7 @@ from tiered_kv.errors import (
     TieredKVError,
 )
 from tiered_kv.gpu.base import ChunkTransfer, KVMover, LayerLoad, LayerSave, MoverStats
-from tiered_kv.io.plane import ChunkBytes, PlaneStats, WorkerPlane
+from tiered_kv.io.plane import ChunkBytes, PlaneStats, PlaneWrite, WorkerPlane, WriteDone
 from tiered_kv.keys import ChunkKey, KeySalt, KeyScope, TokenIds
 from tiered_kv.layerwise_store import LayerwiseStore
 from tiered_kv.layout import (
@@ -79,6 +79,7 @@ __all__ = [
     "MemoryObj",
     "MoverStats",
     "PlaneStats",
+    "PlaneWrite",
     "PrefetchCounters",
     "PrefetchHandle",
     "PrefetchPolicy",
@@ -101,6 +102,7 @@ __all__ = [
     "TokenIds",
     "WritePolicy",
     "WorkerPlane",
+    "WriteDone",
     "WriteQueueStats",
 ]
 __version__ = "0.1.0"

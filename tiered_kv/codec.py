@@ -332,18 +332,44 @@ def encode_header(
 ) -> bytes:
     """The header of a frame holding ``groups`` (payload bytes not included), whose payload
     hashes to ``stripe_checksums`` (`payload_checksums`, or a `PayloadHasher`'s digests)."""
-    key_bytes = bytes(key_bytes)
-    header_len = check_encodable(key_bytes, num_tokens, groups, limits)
-    stripes = stripe_count(sum(g.nbytes for g in groups))
-    if len(stripe_checksums) != stripes:
+    template = header_template(key_bytes, num_tokens, groups, limits=limits)
+    if len(stripe_checksums) != template.stripes:
         raise CodecError(
-            f"stripe_checksums: {len(stripe_checksums)} given, the payload has {stripes} stripes"
+            f"stripe_checksums: {len(stripe_checksums)} given, the payload has "
+            f"{template.stripes} stripes"
         )
     for checksum in stripe_checksums:
         if isinstance(checksum, bool) or not isinstance(checksum, int):
             raise CodecError(f"stripe_checksums must be ints, got {checksum!r}")
         if not 0 <= checksum <= _U64_MAX:
             raise CodecError(f"stripe_checksums must be in [0, 2**64), got {checksum}")
+    return seal_header(template, stripe_checksums)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeaderTemplate:
+    """A header whose stripe checksums are not known yet: ``data`` with zeros where the
+    ``stripes`` checksums go (u64 each, from ``checksums_at``) and where the header checksum
+    goes (its last 8 bytes). `seal_header` fills both; a writer outside this process (an I/O
+    worker, `tiered_kv.io.worker`) does the same with the same two steps."""
+
+    data: bytes
+    checksums_at: int
+    stripes: int
+
+
+def header_template(
+    key_bytes: bytes,
+    num_tokens: int,
+    groups: Sequence[GroupSpec],
+    *,
+    limits: CodecLimits = DEFAULT_LIMITS,
+) -> HeaderTemplate:
+    """The header of a frame holding ``groups``, all but its checksums (`HeaderTemplate`);
+    refuses what `check_encodable` refuses."""
+    key_bytes = bytes(key_bytes)
+    header_len = check_encodable(key_bytes, num_tokens, groups, limits)
+    stripes = stripe_count(sum(g.nbytes for g in groups))
     pad_len = header_len - _unpadded_header_len(len(key_bytes), groups)
     parts = [
         _PREFIX.pack(MAGIC, FORMAT_VERSION, KNOWN_FLAGS, header_len),
@@ -361,9 +387,18 @@ def encode_header(
     parts.append(_U32.pack(STRIPE_BYTES))
     parts.append(_U32.pack(pad_len))
     parts.append(bytes(pad_len))
-    parts.append(struct.pack(f"<{stripes}Q", *stripe_checksums))
-    body = b"".join(parts)
-    return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+    checksums_at = sum(len(part) for part in parts)
+    parts.append(bytes(_U64.size * stripes + _CHECKSUM_LEN))
+    return HeaderTemplate(b"".join(parts), checksums_at, stripes)
+
+
+def seal_header(template: HeaderTemplate, stripe_checksums: Sequence[int]) -> bytes:
+    """``template`` with its stripe checksums and then its header checksum filled in."""
+    header = bytearray(template.data)
+    struct.pack_into(f"<{template.stripes}Q", header, template.checksums_at, *stripe_checksums)
+    checked_end = len(header) - _CHECKSUM_LEN
+    _U64.pack_into(header, checked_end, xxhash.xxh3_64_intdigest(memoryview(header)[:checked_end]))
+    return bytes(header)
 
 
 def decode_header(data: BytesLike, limits: CodecLimits = DEFAULT_LIMITS) -> ChunkHeader:

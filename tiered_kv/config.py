@@ -60,7 +60,7 @@ _FLOAT_FIELDS = (
     "prefetch_timeout_per_1k_tokens_s",
     "prefetch_l1_fraction",
 )
-_DEFAULT_WRITE_QUEUE = 256
+_DEFAULT_WRITE_QUEUE = 4096
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -117,14 +117,19 @@ class EngineConfig:
     namespace: tenant / cache salt; two namespaces never share a chunk.
     fingerprint: model weights / version tag; part of every key.
     lower_write_queue: chunks that may wait for their background write, per lower tier (L2,
-        L3, custom tiers: each has a queue this long); beyond it the write is dropped and
-        counted (write_through, selective) or the L1 eviction refused (write_back), so the
-        serving path never blocks on a lower tier.
+        L3, custom tiers: each has a queue this long, and holding at most half of L1's bytes).
+        A store waits for room (``store_wait_s``) while the tier's writes make progress; a
+        write that meets a full queue anyway drops the oldest waiting write whose chunk is
+        still in L1, else is dropped itself (write_through, selective; counted), or the L1
+        eviction is refused (write_back).
     close_timeout_s: how long ``aclose()`` lets calls in flight finish and waits for pending
         lower-tier writes (L2, L3, custom tiers) before cancelling and dropping them.
-    store_wait_s: how long, in all, a store larger than L1's free room waits for lower-tier
-        writes to free L1 room as it streams through; the chunks still left then are skipped
-        and counted (``store_skipped_no_space``). 0 never waits (L1 keeps what fits).
+    store_wait_s: how long, in all, a store waits for lower-tier writes: for room in their
+        write queues, and for L1 room when the prompt is larger than L1's free room (it streams
+        through L1). A wait that sees no write end for a second stops early (the tier is
+        stalled). Then what L1 takes is committed (full queues drop, counted) and the chunks
+        still left are skipped and counted (``store_skipped_no_space``). 0 never waits (L1
+        keeps what fits, full queues drop).
     pin_memory: pin the arena; None means "when CUDA is available".
     l2_durability: when L2's writes reach the disk itself, not only the page cache:
         "batched" (the default: every ``l2_sync_interval_s``, one ``syncfs`` for all the writes
@@ -135,14 +140,14 @@ class EngineConfig:
         may lose the chunks written since the last sync and never serves a torn one
         (docs/architecture.md, "L2 disk tier").
     l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
-    io_plane: where L2 reads move their bytes: "processes" (I/O worker processes that read
-        straight into L1, which is then a shared memfd mapping; `tiered_kv.io.plane`), so the
-        engine's interpreter lock never paces them; "threads" (the tier's threads in this
-        process); "auto" (the default): processes where shared memory works (Linux), else
-        threads. Workers start only when a tier reads through them (an L2 directory). Writes,
-        and reads under a custom ``file_ops``, stay on threads.
-    io_workers: worker processes of the "processes" plane; None sizes them from the machine
-        (one per core, 2 to 16).
+    io_plane: where L2 reads and writes move their bytes: "processes" (I/O worker processes
+        that read straight into L1 and write chunk files straight from it, L1 then being a
+        shared memfd mapping; `tiered_kv.io.plane`), so the engine's interpreter lock never
+        paces them; "threads" (the tier's threads in this process); "auto" (the default):
+        processes where shared memory works (Linux), else threads. Workers start only when a
+        tier uses them (an L2 directory). A tier with a custom ``file_ops`` stays on threads.
+    io_workers: reader processes of the "processes" plane; None sizes them from the machine
+        (one per core, 2 to 16). Writers are a quarter as many, 2 to 4.
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
         in L1 now), "wait_complete" (wait for every load), "timeout" (wait at most
         ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_1k_tokens_s`` per 1000 tokens

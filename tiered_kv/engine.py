@@ -289,10 +289,13 @@ class TieredKVEngine:
     ) -> int:
         """Copy the request's KV into the cache, chunk by chunk; returns tokens newly stored.
 
-        Chunks some tier already holds are skipped. A prompt larger than L1's room streams
-        through it: when L1 (or a write_through queue) is full, the store waits for lower-tier
-        writes to free room, ``store_wait_s`` in all; the chunks left when no write is pending
-        (no tier below) or that time ran out are skipped (counted), not an error.
+        Chunks some tier already holds are skipped. The store keeps pace with the lower tiers
+        it writes through: when their write queues are full, or L1 has no room left (a prompt
+        larger than L1 streams through it), it waits for lower-tier writes to end,
+        ``store_wait_s`` in all, while they make progress (`StorageManager.wait_for_room`).
+        When that time runs out, or the writes are stalled, what L1 takes is committed anyway
+        (a full queue drops its oldest write whose chunk is still in L1, counted) and the
+        chunks L1 has no room for are skipped (counted), not an error.
         ``skip_prefix_tokens`` (a whole number of chunks) leaves the chunks before it out: their
         blocks need not hold their KV (a sliding-window layer group has dropped them).
         """
@@ -306,32 +309,39 @@ class TieredKVEngine:
                 f"chunks of {self.config.chunk_size}"
             )
         self._counters.store_calls += 1
+        storage = runtime.storage
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.store_wait_s
         first = skip_prefix_tokens // self.config.chunk_size
+        # For lower-tier writes, until the time runs out or they stall.
+        waiting = self.config.store_wait_s > 0
         stored = 0
         try:
-            # A prompt larger than L1's free room streams through it: each window is what L1
-            # and the write_through queues can take now (a dropped write of a streamed chunk
-            # would lose it when the next window evicts it); lower-tier writes free room for
-            # the next. A store that fits in L1 never waits: a full queue drops (counted).
-            streaming = False
+            # Each window is what L1 and the write_through queues take now (a dropped write of
+            # a streamed chunk would lose it when the next window evicts it); lower-tier writes
+            # free room for the next.
             while True:
                 staged, stopped = self._stage(runtime, request, first=first)
-                streaming = streaming or stopped is not None
-                room = runtime.storage.write_room() if streaming else None
-                if room is not None and len(staged) > room:
-                    staged, spare = staged[:room], staged[room:]
-                    stopped = spare[0][1].token_start // self.config.chunk_size
-                    for _, transfer in spare:
-                        transfer.obj.unref()
+                truncated = False  # by the write queues' room
+                waiting = waiting and not storage.writes_stalled
+                if waiting:
+                    room = storage.write_room([transfer.obj.nbytes for _, transfer in staged])
+                    if room < len(staged):
+                        truncated = True
+                        staged, spare = staged[:room], staged[room:]
+                        stopped = spare[0][1].token_start // self.config.chunk_size
+                        for _, transfer in spare:
+                            transfer.obj.unref()
                 stored += await self._store_window(runtime, request, ids, staged)
                 if stopped is None:
                     break
                 remaining = deadline - loop.time()
-                if remaining <= 0 or not await runtime.storage.wait_for_room(remaining):
-                    self._counters.store_skipped_no_space += len(request.keys) - stopped
-                    break
+                room_came = waiting and remaining > 0 and await storage.wait_for_room(remaining)
+                if not room_came:
+                    if not truncated:  # L1 keeps the prefix it took; the rest is skipped
+                        self._counters.store_skipped_no_space += len(request.keys) - stopped
+                        break
+                    waiting = False  # one more window, as much as L1 takes: queues drop
                 first = stopped
         finally:
             self._counters.stored_tokens += stored

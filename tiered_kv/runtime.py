@@ -27,11 +27,16 @@ from tiered_kv.prefetch import PrefetchController
 from tiered_kv.request import Registration
 from tiered_kv.retrieval import Retriever
 from tiered_kv.storage import StorageManager
+from tiered_kv.threads import write_threads
 from tiered_kv.tiers import factory as tier_factory
 from tiered_kv.tiers.base import LowerTier
 from tiered_kv.tiers.l1 import L1Tier
 
 logger = logging.getLogger(__name__)
+
+# Bytes of chunks that may wait for one lower tier's writes, as a share of L1 (they hold L1
+# memory until written; the rest stays free for loads and stores).
+WRITE_QUEUE_L1_SHARE = 0.5
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,7 +78,8 @@ class EngineRuntime:
         try:
             lower = [*tier_factory.lower_tiers(config), *extra_tiers]
             if processes:
-                plane = WorkerPlane(arena, config.io_workers or default_io_workers())
+                workers = config.io_workers or default_io_workers()
+                plane = WorkerPlane(arena, workers, write_threads(workers))
                 # Every tier is offered the plane (no short-circuit): each keeps its answer.
                 users = [tier for tier in lower if tier.use_plane(plane)]
                 if users:
@@ -84,6 +90,7 @@ class EngineRuntime:
                 L1Tier(arena),
                 lower,
                 write_queue=config.lower_write_queue,
+                write_queue_bytes=int(arena.capacity * WRITE_QUEUE_L1_SHARE),
                 write_policies={t.name: config.write_policy_for(t.name) for t in lower},
                 selective_min_hits=config.selective_min_hits,
             )

@@ -3,9 +3,12 @@
 Owns which tier holds what, the per-tier write policies (write_through, write_back on L1
 eviction, selective after N hits) on bounded background queues, batched longest-prefix location
 across tiers, and reads of lower-tier chunks into L1 objects. Never touches KV bytes itself
-(tiers and movers do), never imports CUDA, and never blocks the serving path on a lower tier: a
-full write queue drops the write (write_through, selective) or refuses the eviction
-(write_back: the chunk stays in L1, so it is never lost), and counts it. Loop-only.
+(tiers and movers do), never imports CUDA, and never blocks on a lower tier: a store asks
+`write_room` first and waits (`wait_for_room`) while the tiers' writes make progress; a write
+that meets a full queue anyway makes room by dropping the oldest waiting write whose chunk is
+still in L1 (its bytes are still cached there), else is dropped itself (write_through,
+selective), or refuses the eviction (write_back: the chunk stays in L1, so it is never lost);
+every drop is counted. Loop-only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ logger = logging.getLogger(__name__)
 TOUCH_BATCH = 256
 TOUCH_INTERVAL_S = 0.5
 SELECTIVE_TRACKED_KEYS = 1 << 16  # hit counters kept for "selective" admission (LRU beyond)
+# A wait for a lower-tier write to end that sees none end for this long marks the writes
+# stalled: stores stop waiting for write room (and drop instead) until a write ends again.
+WRITE_STALL_S = 1.0
+# Waiting writes a full queue looks through, oldest first, for one whose chunk is still in L1.
+DROP_SCAN = 64
 
 WRITE_THROUGH, WRITE_BACK, SELECTIVE = WRITE_POLICIES
 # `StorageManager.locate`'s location of a chunk in L1; a lower tier's is its index in ``lower``.
@@ -64,14 +72,69 @@ class BusyClock:
             self.seconds += time.perf_counter() - self._since
 
 
+class _WriteLine:
+    """Writes waiting for a lower tier's writers, oldest first, bounded in chunks and in bytes
+    (a full line still takes one chunk, however large, when nothing waits)."""
+
+    def __init__(self, max_chunks: int, max_bytes: int | None) -> None:
+        self.max_chunks = max_chunks
+        self.max_bytes = max_bytes
+        self.waiting: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
+        self.bytes = 0  # of the waiting chunks
+        self.unfinished = 0  # waiting or being written
+        self._nonempty = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def takes(self, count: int, nbytes: int) -> bool:
+        """Whether ``count`` more chunks of ``nbytes`` in all fit now."""
+        if len(self.waiting) + count > self.max_chunks:
+            return False
+        if self.max_bytes is None or self.bytes + nbytes <= self.max_bytes:
+            return True
+        return not self.waiting and count == 1
+
+    def put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        self.waiting[key] = obj
+        self.bytes += obj.nbytes
+        self.unfinished += 1
+        self._nonempty.set()
+        self._idle.clear()
+
+    def remove(self, key: ChunkKey) -> MemoryObj:
+        """Take a waiting write out unwritten (its reference goes to the caller)."""
+        obj = self.waiting.pop(key)
+        self.bytes -= obj.nbytes
+        self.task_done()
+        return obj
+
+    async def get(self) -> tuple[ChunkKey, MemoryObj]:
+        """The oldest waiting write; the caller calls `task_done` when it has ended."""
+        while not self.waiting:
+            self._nonempty.clear()
+            await self._nonempty.wait()
+        key, obj = self.waiting.popitem(last=False)
+        self.bytes -= obj.nbytes
+        return key, obj
+
+    def task_done(self) -> None:
+        self.unfinished -= 1
+        if self.unfinished == 0:
+            self._idle.set()
+
+    async def join(self) -> None:
+        await self._idle.wait()
+
+
 @dataclasses.dataclass(slots=True)
 class _WriteQueue:
     tier: LowerTier
     policy: WritePolicy
-    queue: asyncio.Queue[tuple[ChunkKey, MemoryObj]]
+    line: _WriteLine
     pending: set[ChunkKey]
     workers: list[asyncio.Task[None]]
     dropped_full: int = 0
+    dropped_in_l1: int = 0
     dropped_close: int = 0
     done: int = 0
     failed: int = 0
@@ -120,10 +183,13 @@ class WriteQueueStats:
     policy: WritePolicy
     queue_depth: int
     queue_capacity: int
+    queue_bytes: int  # of the writes waiting
+    queue_bytes_capacity: int | None  # None: bounded in chunks only
     pending: int  # queued or being written
     done: int
     failed: int
-    dropped_full: int
+    dropped_full: int  # writes dropped for a full queue: the new one or a waiting one
+    dropped_in_l1: int  # of those, chunks still in L1 when dropped (still cached there)
     dropped_close: int
     skipped_present: int
     demoted: int  # write_back: queued at L1 eviction (or at close)
@@ -204,6 +270,7 @@ class StorageManager:
         lower: Sequence[LowerTier],
         *,
         write_queue: int = 256,
+        write_queue_bytes: int | None = None,
         write_policies: Mapping[str, WritePolicy] | None = None,
         selective_min_hits: int = 2,
     ) -> None:
@@ -214,6 +281,10 @@ class StorageManager:
         self._policies = [policies.get(tier.name, WRITE_THROUGH) for tier in self.lower]
         self._selective = SELECTIVE in self._policies  # `record_hit` has work to do
         self._write_queue_size = write_queue
+        self._write_queue_bytes = write_queue_bytes
+        # A wait for a write to end saw none end for `WRITE_STALL_S`; cleared when one ends.
+        self.writes_stalled = False
+        self.write_stalls = 0
         self._selective_min_hits = selective_min_hits
         self._queues: list[_WriteQueue] = []
         self._opened = False
@@ -257,8 +328,8 @@ class StorageManager:
         for index, (tier, policy) in enumerate(zip(self.lower, self._policies, strict=True)):
             await tier.open()
             self.costs[index].parallelism = tier.read_parallelism  # known once it is open
-            queue: asyncio.Queue[tuple[ChunkKey, MemoryObj]] = asyncio.Queue(self._write_queue_size)
-            wq = _WriteQueue(tier, policy, queue, set(), [])
+            line = _WriteLine(self._write_queue_size, self._write_queue_bytes)
+            wq = _WriteQueue(tier, policy, line, set(), [])
             wq.workers = [
                 asyncio.create_task(self._writer(wq), name=f"tkv-{tier.name}-writer{i}")
                 for i in range(max(1, tier.write_parallelism))
@@ -353,26 +424,41 @@ class StorageManager:
                 self._enqueue(wq, key, obj)
         return True
 
-    def write_room(self) -> int | None:
-        """Commits the write_through queues can take now without dropping a write (the least
-        over them); None when no tier is written at commit."""
-        rooms = [
-            wq.queue.maxsize - wq.queue.qsize() for wq in self._queues if wq.policy == WRITE_THROUGH
-        ]
-        return min(rooms) if rooms else None
+    def write_room(self, sizes: Sequence[int]) -> int:
+        """How many of the next chunks to commit, of ``sizes`` bytes each, every write_through
+        queue takes now without dropping a write."""
+        fits = len(sizes)
+        for wq in self._queues:
+            if wq.policy != WRITE_THROUGH:
+                continue
+            total = 0
+            for count, size in enumerate(sizes[:fits], start=1):
+                total += size
+                if not wq.line.takes(count, total):
+                    fits = count - 1
+                    break
+        return fits
 
     async def wait_for_room(self, timeout: float) -> bool:
         """Wait until a lower-tier write ends: its chunk may then leave L1 (a write_through
         copy is now below; a write_back demotion lets its bytes go) and its queue slot is free.
         False at once when no write is pending (nothing below will free room), or at
-        ``timeout``."""
+        ``timeout``; a wait that saw no write end for `WRITE_STALL_S` returns False then and
+        marks the writes stalled (``writes_stalled``) until one ends."""
         if not any(wq.pending for wq in self._queues):
             return False
         self._write_ended.clear()
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(min(timeout, WRITE_STALL_S)):
                 await self._write_ended.wait()
         except TimeoutError:
+            if timeout > WRITE_STALL_S:
+                self.writes_stalled = True
+                self.write_stalls += 1
+                logger.info(
+                    "no lower-tier write ended for %.1fs: stores stop waiting for them",
+                    WRITE_STALL_S,
+                )
             return False
         return True
 
@@ -391,17 +477,36 @@ class StorageManager:
                 wq.admitted += 1
 
     def _enqueue(self, wq: _WriteQueue, key: ChunkKey, obj: MemoryObj) -> bool:
-        """Queue a write of ``obj`` (the queue takes a reference); never blocks."""
+        """Queue a write of ``obj`` (the queue takes a reference); never blocks. A full queue
+        drops its oldest waiting write whose chunk is still in L1 to make room (not for
+        write_back, whose waiting chunks live nowhere else), else this write."""
         if key in wq.pending or wq.tier.contains(key):
             return False
-        try:
-            wq.queue.put_nowait((key, obj.ref()))
-        except asyncio.QueueFull:
-            obj.unref()
+        while not wq.line.takes(1, obj.nbytes):
+            victim = self._droppable(wq)
+            if victim is None:
+                wq.dropped_full += 1
+                if self.l1.contains(key):
+                    wq.dropped_in_l1 += 1
+                return False
+            wq.line.remove(victim).unref()
+            wq.pending.discard(victim)
             wq.dropped_full += 1
-            return False
+            wq.dropped_in_l1 += 1
+        wq.line.put(key, obj.ref())
         wq.pending.add(key)
         return True
+
+    def _droppable(self, wq: _WriteQueue) -> ChunkKey | None:
+        """The oldest waiting write, of the first `DROP_SCAN`, whose chunk is still in L1."""
+        if wq.policy == WRITE_BACK:
+            return None
+        for index, key in enumerate(wq.line.waiting):
+            if index == DROP_SCAN:
+                break
+            if self.l1.contains(key):
+                return key
+        return None
 
     def _on_l1_evict(self, key: ChunkKey, obj: MemoryObj) -> bool:
         """L1 eviction hook: queue write_back demotions, or refuse when a queue is full."""
@@ -412,7 +517,7 @@ class StorageManager:
             for wq in self._queues
             if wq.policy == WRITE_BACK and key not in wq.pending and not wq.tier.contains(key)
         ]
-        if any(wq.queue.full() for wq in targets):
+        if any(not wq.line.takes(1, obj.nbytes) for wq in targets):
             for wq in targets:
                 wq.demotions_refused += 1
             return False  # stays in L1 (dirty); the next eviction candidate is tried instead
@@ -435,7 +540,7 @@ class StorageManager:
 
     async def _writer(self, wq: _WriteQueue) -> None:
         while True:
-            key, obj = await wq.queue.get()
+            key, obj = await wq.line.get()
             try:
                 if wq.tier.contains(key):
                     wq.skipped_present += 1
@@ -463,8 +568,9 @@ class StorageManager:
             finally:
                 wq.pending.discard(key)
                 obj.unref()
-                wq.queue.task_done()
+                wq.line.task_done()
                 self._write_ended.set()
+                self.writes_stalled = False
                 if wq.policy == WRITE_BACK:
                     self._settle(key)
 
@@ -595,7 +701,7 @@ class StorageManager:
         (those stay queued; `aclose` drops them). Dirty write_back chunks stay in L1. Recency of
         L1 hits is passed down first."""
         await self.pass_down_recency()
-        joins = [wq.queue.join() for wq in self._queues]
+        joins = [wq.line.join() for wq in self._queues]
         if not joins:
             return 0
         try:
@@ -611,21 +717,38 @@ class StorageManager:
         deadline = None if timeout is None else loop.time() + timeout
         left = 0
         for key in self.l1.dirty_keys():
-            obj = self.l1.peek(key)
-            if obj is None:
+            peeked = self.l1.peek(key)
+            if peeked is None:
                 continue
-            for wq in self._queues:
-                if wq.policy != WRITE_BACK or key in wq.pending or wq.tier.contains(key):
-                    continue
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                try:
-                    await asyncio.wait_for(wq.queue.put((key, obj.ref())), remaining)
-                except TimeoutError:
-                    obj.unref()
-                    left += 1
-                    continue
-                wq.pending.add(key)
-                wq.demoted += 1
+            obj = peeked.ref()  # held across the waits below
+            try:
+                left += await self._demote(key, obj, loop, deadline)
+            finally:
+                obj.unref()
+        return left
+
+    async def _demote(
+        self, key: ChunkKey, obj: MemoryObj, loop: asyncio.AbstractEventLoop, deadline: float | None
+    ) -> int:
+        """Queue ``obj`` for each write_back tier that lacks it, waiting for room until
+        ``deadline``; the number of tiers it could not be queued for in time."""
+        left = 0
+        for wq in self._queues:
+            if wq.policy != WRITE_BACK or key in wq.pending or wq.tier.contains(key):
+                continue
+            while not wq.line.takes(1, obj.nbytes):
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._write_ended.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._write_ended.wait(), remaining)
+            if not wq.line.takes(1, obj.nbytes):
+                left += 1
+                continue
+            wq.line.put(key, obj.ref())
+            wq.pending.add(key)
+            wq.demoted += 1
         return left
 
     async def aclose(self, timeout: float) -> int:
@@ -663,9 +786,8 @@ class StorageManager:
                 for task in wq.workers:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-                while not wq.queue.empty():
-                    key, obj = wq.queue.get_nowait()
-                    obj.unref()
+                for key in list(wq.line.waiting):
+                    wq.line.remove(key).unref()
                     wq.pending.discard(key)
                     wq.dropped_close += 1
                 wq.workers.clear()
@@ -684,8 +806,10 @@ class StorageManager:
             id(wq.tier): snapshot(
                 WriteQueueStats,
                 wq,
-                queue_depth=wq.queue.qsize(),
-                queue_capacity=wq.queue.maxsize,
+                queue_depth=len(wq.line.waiting),
+                queue_capacity=wq.line.max_chunks,
+                queue_bytes=wq.line.bytes,
+                queue_bytes_capacity=wq.line.max_bytes,
                 pending=len(wq.pending),
                 busy_seconds=wq.busy.seconds,
             )

@@ -24,7 +24,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(message, allow_module_level=True)
 
 from bench import ttft
-from bench.ttft_model import TINY, PagedKV, PrefillGraphs, build_model, prefill
+from bench.ttft_model import (
+    TINY,
+    PagedKV,
+    PrefillGraphs,
+    build_model,
+    prefill,
+    prefix_sdpa_attention,
+)
 from tiered_kv.sync import new_event_loop
 
 MODES = ("whole", "layerwise")
@@ -405,3 +412,36 @@ def test_fitted_break_even_extrapolates_past_the_measured_lengths() -> None:
     assert 5e5 < found < 7e5  # beyond every measured length
     # A load slower per token than a linear recompute never catches up.
     assert ttft.fitted_break_even([(n, a * n) for n in lengths], load) is None
+
+
+def test_prefix_attention_is_causal_aligned_to_the_end_without_a_mask() -> None:
+    """`prefix_sdpa_attention` (GQA: 4 query heads over 2 KV heads) equals SDPA with the
+    explicit end-aligned causal mask for a prefix prefill, plain causal SDPA from scratch, and
+    full attention for one token; the top-left mask SDPA's ``is_causal`` would apply is far off."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 24, 32, generator=gen, dtype=torch.float64)
+    key = torch.randn(1, 2, 80, 32, generator=gen, dtype=torch.float64)
+    value = torch.randn(1, 2, 80, 32, generator=gen, dtype=torch.float64)
+    module = torch.nn.Module()
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+        rows = torch.arange(q.shape[2]).unsqueeze(1) + offset
+        allowed = torch.arange(k.shape[2]).unsqueeze(0) <= rows
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed
+        )
+        return out.transpose(1, 2)
+
+    for q, k, v in (
+        (query, key, value),  # 24 new tokens over 56 cached
+        (query, key[:, :, :24], value[:, :, :24]),  # from scratch
+        (query[:, :, -1:], key, value),  # one token over 79 cached
+    ):
+        out, weights = prefix_sdpa_attention(module, q, k, v, None)
+        assert weights is None and out.shape == (1, q.shape[2], 4, 32)
+        offset = k.shape[2] - q.shape[2]
+        torch.testing.assert_close(out, reference(q, k, v, offset), rtol=1e-12, atol=1e-12)
+    top_left = reference(query, key, value, 0)
+    assert not torch.allclose(prefix_sdpa_attention(module, query, key, value, None)[0], top_left)
+    with pytest.raises(ValueError, match="builds its own causal mask"):
+        prefix_sdpa_attention(module, query, key, value, torch.ones(1))

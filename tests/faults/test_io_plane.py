@@ -1,7 +1,8 @@
-"""L2 reads through I/O worker processes (``io_plane="processes"``) under faults: bit-exact
-loads, a corrupt file a miss, a worker SIGKILLed mid-read costing exactly its chunks and
-replaced, a read cancelled on a stuck worker returning once that worker is dead, and no worker
-outliving its engine, whether it closed or was SIGKILLed."""
+"""L2 reads and writes through I/O worker processes (``io_plane="processes"``) under faults:
+bit-exact loads, a corrupt file a miss, a worker SIGKILLed mid-read costing exactly its chunks
+and replaced, a read or write cancelled on a stuck worker returning once that worker is dead,
+write workers writing the codec's exact frame and leaving no file when they fail or die, and no
+worker outliving its engine, whether it closed or was SIGKILLed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ import xxhash
 from tests.kvfactory import KVCaches, expect_copy, make_caches, poison_blocks
 from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.benchmarks.ceilings import drop_cached_pages
+from tiered_kv.codec import (
+    STRIPE_BYTES,
+    GroupSpec,
+    encode_header,
+    header_template,
+    payload_checksums,
+    seal_header,
+)
 from tiered_kv.io.plane import STUCK_GRACE_S, WorkerPlane
 from tiered_kv.memory import HostArena
 
@@ -91,7 +100,7 @@ async def test_loads_through_worker_processes_are_bit_exact_and_a_corrupt_file_i
         assert (await engine.retrieve(TOKENS, DST)).valid_tokens == len(TOKENS)
         expect_copy(caches, expected, reference, SRC, DST, range(len(TOKENS)), 16)
         assert caches.bytes_equal(expected)
-        assert plane.stats().jobs == 8  # every chunk's bytes came through a worker
+        assert plane.stats().reads == 8  # every chunk's bytes came through a worker
         # A flipped payload byte in chunk 5: the digests disagree, the chunk is a miss and its
         # file goes; the prefix before it loads.
         await engine.evict_l1()
@@ -120,12 +129,12 @@ async def test_a_worker_killed_mid_read_costs_exactly_its_chunks_and_is_replaced
         original = path.read_bytes()
         path.unlink()
         os.mkfifo(path)
-        (victim,) = plane.worker_pids()
+        (victim,) = plane.worker_pids("read")
         poison_blocks(caches, DST)
         before = caches.snapshot()
         load = asyncio.create_task(engine.retrieve(TOKENS, DST))
         deadline = time.monotonic() + 10
-        while plane.stats().jobs < 8:  # the second batch is out
+        while plane.stats().reads < 8:  # the second batch is out
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)  # the worker is inside chunk 5's open
@@ -140,8 +149,8 @@ async def test_a_worker_killed_mid_read_costs_exactly_its_chunks_and_is_replaced
                 for b, a in zip(layer_b, layer_a, strict=True)
             )
         stats = plane.stats()
-        assert stats.worker_deaths == 1 and stats.workers == 1
-        assert plane.worker_pids() != [victim]
+        assert stats.worker_deaths == 1 and stats.workers - stats.write_workers == 1
+        assert plane.worker_pids("read") != [victim]
         assert engine.stats().tier("L2").read_failures == 4
         # The replacement serves: with chunk 5's file back, everything loads.
         path.unlink()
@@ -163,7 +172,7 @@ async def test_a_read_cancelled_on_a_stuck_worker_returns_once_the_worker_is_kil
     os.mkfifo(fifo)
     plane.start()
     try:
-        (stuck,) = plane.worker_pids()
+        (stuck,) = plane.worker_pids("read")
         read = asyncio.create_task(plane.read(str(fifo), 64, 4096, [(0, 4096)], 4096, 1))
         await asyncio.sleep(0.3)
         started = time.monotonic()
@@ -174,7 +183,11 @@ async def test_a_read_cancelled_on_a_stuck_worker_returns_once_the_worker_is_kil
         assert STUCK_GRACE_S <= waited < STUCK_GRACE_S + 2.0, waited
         assert not _alive(stuck)  # dead before the read returned
         stats = plane.stats()
-        assert (stats.stuck_killed, stats.workers, stats.in_flight) == (1, 1, 0)
+        assert (stats.stuck_killed, stats.workers - stats.write_workers, stats.in_flight) == (
+            1,
+            1,
+            0,
+        )
         # The new worker reads a real file straight into the arena, and says whether its
         # payload was in the page cache before (just written: yes; dropped: no).
         data = os.urandom(4096 + 4096)
@@ -212,10 +225,154 @@ def test_workers_die_with_a_killed_engine_process(tmp_path: Path) -> None:
     try:
         assert child.stdout is not None
         pids = [int(pid) for pid in child.stdout.readline().split()]
-        assert len(pids) == 3 and all(_alive(pid) for pid in pids)
+        assert len(pids) == 3 + 2 and all(_alive(pid) for pid in pids)  # readers, writers
     finally:
         child.kill()
         child.wait()
         if child.stdout is not None:
             child.stdout.close()
     assert _gone_within(pids, 10)
+
+
+async def test_a_worker_writes_the_frame_encode_header_would_and_leaves_nothing_on_failure(
+    tmp_path: Path,
+) -> None:
+    """A chunk written by a write worker from two arena runs (a payload of 3 stripes, the last
+    short) is byte for byte the frame `encode_header` + payload make; a write whose rename
+    fails leaves no file; a write on a stopped worker, its caller cancelled, returns once the
+    worker is killed, and the caller is told nothing came."""
+    stripe = STRIPE_BYTES
+    arena = HostArena(16 << 20, pin=False, shared=True)
+    plane = WorkerPlane(arena, 1, 1)
+    plane.start()
+    try:
+        payload = os.urandom(2 * stripe + 1000)
+        arena.buffer(0, 6000)[:] = payload[:6000]
+        arena.buffer(65536, len(payload) - 6000)[:] = payload[6000:]
+        runs = [(0, 6000), (65536, len(payload) - 6000)]
+        specs = (GroupSpec("uint8", (6000,)), GroupSpec("uint8", (len(payload) - 6000,)))
+        template = header_template(b"key", 7, specs)
+        final = tmp_path / "ab" / "chunk"  # its directory does not exist yet
+        write = plane.submit_write(
+            str(tmp_path / "ab" / ".chunk.tmp"),
+            str(final),
+            template.data,
+            template.checksums_at,
+            runs,
+            stripe,
+            123_000_000_000,
+            True,
+            True,
+        )
+        done = await write.done()
+        assert (done.status, done.errno) == ("written", 0)
+        assert done.free_bytes is not None and done.free_bytes > 0
+        digests = [
+            xxhash.xxh3_64_intdigest(payload[start : start + stripe])
+            for start in range(0, len(payload), stripe)
+        ]
+        frame = encode_header(b"key", 7, specs, payload_checksums([payload])) + payload
+        assert final.read_bytes() == frame
+        assert seal_header(template, digests) == frame[: len(template.data)]
+        assert os.listdir(final.parent) == ["chunk"]
+        assert final.stat().st_mtime_ns == 123_000_000_000
+        # A job whose header has no room for its stripes' checksums: an error answer, and the
+        # worker lives on.
+        (writer,) = plane.worker_pids("write")
+        wrong = await plane.submit_write(
+            str(tmp_path / "ab" / ".w.tmp"),
+            str(tmp_path / "ab" / "w"),
+            template.data,
+            template.checksums_at,
+            runs,
+            4096,
+            1,
+            False,
+            False,
+        ).done()
+        assert wrong.status == "error" and "no room" in wrong.detail
+        assert plane.worker_pids("write") == [writer] and plane.stats().worker_deaths == 0
+        # A rename onto a directory fails: an error, no temp file left behind.
+        (tmp_path / "ab" / "taken").mkdir()
+        (tmp_path / "ab" / "taken" / "x").write_bytes(b"x")
+        failed = await plane.submit_write(
+            str(tmp_path / "ab" / ".taken.tmp"),
+            str(tmp_path / "ab" / "taken"),
+            template.data,
+            template.checksums_at,
+            runs,
+            stripe,
+            1,
+            False,
+            False,
+        ).done()
+        assert failed.status == "error" and failed.errno != 0, failed
+        assert sorted(os.listdir(final.parent)) == ["chunk", "taken"]
+        # A stopped worker: the caller leaves, the worker is killed after the grace.
+        (writer,) = plane.worker_pids("write")
+        os.kill(writer, signal.SIGSTOP)
+        stuck = plane.submit_write(
+            str(tmp_path / "ab" / ".late.tmp"),
+            str(tmp_path / "ab" / "late"),
+            template.data,
+            template.checksums_at,
+            runs,
+            stripe,
+            1,
+            False,
+            False,
+        )
+        waiter = asyncio.create_task(stuck.done())
+        await asyncio.sleep(0.1)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        started = time.monotonic()
+        assert await stuck.settle() is None
+        assert STUCK_GRACE_S <= time.monotonic() - started < STUCK_GRACE_S + 2.0
+        assert not _alive(writer)
+        assert plane.stats().stuck_killed == 1 and plane.worker_pids("write") != [writer]
+    finally:
+        await plane.aclose()
+        arena.close()
+
+
+async def test_writes_through_the_plane_survive_a_killed_write_worker(tmp_path: Path) -> None:
+    """An engine's L2 writes go through write workers; one SIGKILLed while writes wait on it
+    (stopped first, so they cannot finish): those writes fail (counted), leave no file, and the
+    replacement writes the rest, which read back bit-exact."""
+    caches = _caches()
+    async with TieredKVEngine(_config(tmp_path, io_workers=1)) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        plane = engine.io_plane
+        assert plane is not None and plane.write_size == 2
+        writers = plane.worker_pids("write")
+        for pid in writers:
+            os.kill(pid, signal.SIGSTOP)
+        assert await engine.store(TOKENS, SRC) == len(TOKENS)
+        deadline = time.monotonic() + 10
+        while plane.stats().writes < 8:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        for pid in writers:
+            os.kill(pid, signal.SIGKILL)
+        assert await engine.flush(timeout=30) == 0
+        l2 = engine.stats().tier("L2")
+        assert (l2.puts, l2.put_failures) == (0, 8)
+        assert plane.stats().worker_deaths == 2
+        root = str(engine.storage.lower[0].root)  # type: ignore[attr-defined]
+        files = [name for _, _, names in os.walk(root) for name in names if name != ".lock"]
+        assert files == []
+        # Stored again (the chunks are still in L1: the same store is a no-op for L1, so
+        # evict first), the new workers write them; they read back bit-exact.
+        await engine.evict_l1()
+        assert await engine.store(TOKENS, SRC) == len(TOKENS)
+        assert await engine.flush(timeout=30) == 0
+        assert engine.stats().tier("L2").puts == 8
+        await engine.evict_l1()
+        reference = caches.snapshot()
+        poison_blocks(caches, DST)
+        expected = caches.snapshot()
+        assert (await engine.retrieve(TOKENS, DST)).valid_tokens == len(TOKENS)
+        expect_copy(caches, expected, reference, SRC, DST, range(len(TOKENS)), 16)
+        assert caches.bytes_equal(expected)

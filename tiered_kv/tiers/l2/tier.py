@@ -41,6 +41,12 @@ its threads to stop and waits for them before cancellation propagates, so a rele
 `MemoryObj` is never written. Not aiofiles: its await returns as soon as its task is cancelled
 while the thread keeps going, and it leaves the hashing on the loop (docs/benchmarks.md, "Why
 the L2 tier does not use aiofiles").
+
+With an I/O plane (`use_plane`, ``io_plane="processes"``), reads and writes of chunks whose
+objects lie in the plane's arena go to its worker processes instead (`tiered_kv.io.plane`): a
+read comes back as the header's bytes and the stripes' digests, judged here; a write as whether
+the file is in place (its header sealed by the worker from `header_template`). The index, the
+capacity, evictions, no-space retries and the directory lock stay here, on the loop.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import os
 import secrets
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -69,11 +76,19 @@ from tiered_kv.codec import (
     check_payload_checksums,
     decode_header,
     encoded_header_len,
+    header_template,
+    stripe_count,
 )
 from tiered_kv.config import L2_DURABILITIES, L2Durability
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError, TieredKVError
 from tiered_kv.io.pagecache import cached_fraction
-from tiered_kv.io.plane import READS_PER_WORKER, WorkerPlane
+from tiered_kv.io.plane import (
+    READS_PER_WORKER,
+    WRITES_PER_WORKER,
+    ChunkBytes,
+    WorkerDied,
+    WorkerPlane,
+)
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
@@ -88,6 +103,7 @@ from tiered_kv.tiers.l2.files import (
     FileOps,
     set_mtimes,
     unlink_paths,
+    unlink_quietly,
     vanished,
 )
 from tiered_kv.tiers.l2.lock import DirectoryLock
@@ -218,9 +234,9 @@ class DiskTier(LowerTier):
         self._plane: WorkerPlane | None = None
 
     def use_plane(self, plane: WorkerPlane | None) -> bool:
-        """Read chunks whose objects lie in ``plane``'s arena through its worker processes
-        (None: every read on this tier's threads). A tier with its own ``file_ops`` (a fault
-        seam) keeps its reads on its threads, where that seam is."""
+        """Read and write chunks whose objects lie in ``plane``'s arena through its worker
+        processes (None: all on this tier's threads). A tier with its own ``file_ops`` (a fault
+        seam) keeps its I/O on its threads, where that seam is."""
         self._plane = plane if self.file_ops is DEFAULT_FILE_OPS else None
         return self._plane is not None
 
@@ -278,7 +294,11 @@ class DiskTier(LowerTier):
 
     @property
     def write_parallelism(self) -> int:
-        """Its write threads: a write in flight on each (docs/benchmarks.md, "L2 writes")."""
+        """Its write threads: a write in flight on each (docs/benchmarks.md, "L2 writes"); with
+        an I/O plane, `WRITES_PER_WORKER` per write worker, so small chunks go many to a
+        message."""
+        if self._plane is not None:
+            return self._plane.write_size * WRITES_PER_WORKER
         return self._write_pool.size
 
     async def aclose(self) -> None:
@@ -501,6 +521,7 @@ class DiskTier(LowerTier):
         """Write the file, evicting and trying again after no-space errors; ``size`` is reserved."""
         final_path = self._path_for(key)
         entry = Entry(final_path, size, obj.num_tokens, specs)
+        plane = self._plane if self._plane is not None and self._plane.serves(obj.arena) else None
         attempt = 0
         while True:
             temp_name = f".{final_path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
@@ -523,7 +544,10 @@ class DiskTier(LowerTier):
             deleted_before = self._bytes_deleted
             started = time.perf_counter()
             try:
-                await self._write_pool.run(functools.partial(store_chunk, job), job.abort)
+                if plane is not None:
+                    await self._write_in_worker(plane, job, obj)
+                else:
+                    await self._write_pool.run(functools.partial(store_chunk, job), job.abort)
             except asyncio.CancelledError:
                 # Cancelled after the rename: the chunk is complete, so keep it indexed.
                 if job.committed:
@@ -557,6 +581,40 @@ class DiskTier(LowerTier):
             if job.lock_retaken:
                 await self._forget_vanished_files()  # after the insert: a cancel keeps the chunk
             return True
+
+    async def _write_in_worker(self, plane: WorkerPlane, job: WriteJob, obj: MemoryObj) -> None:
+        """`store_chunk`'s work done by an I/O worker, from ``obj``'s arena runs; its outcome in
+        ``job`` as `store_chunk` leaves it (an `OSError` for a failed write)."""
+        template = header_template(job.key_bytes, job.num_tokens, job.specs, limits=self.limits)
+        job.lock_retaken = self._lock.ensure_held(job.fsync)
+        write = plane.submit_write(
+            str(job.temp_path),
+            str(job.final_path),
+            template.data,
+            template.checksums_at,
+            _arena_extents(obj),
+            STRIPE_BYTES,
+            job.stamp_ns,
+            job.fsync,
+            job.measure_free_space,
+        )
+        try:
+            done = await write.done()
+        except asyncio.CancelledError:
+            settled = await write.settle()  # nothing reads obj's bytes after this
+            if settled is None:  # its worker died: whatever it left is not ours to keep
+                unlink_quietly(job.temp_path)
+                unlink_quietly(job.final_path)
+            job.committed = settled is not None and settled.status == "written"
+            raise
+        except WorkerDied:
+            unlink_quietly(job.temp_path)
+            unlink_quietly(job.final_path)
+            raise
+        job.free_bytes = done.free_bytes
+        if done.status != "written":
+            raise OSError(done.errno, done.detail)
+        job.committed = True
 
     async def _make_room_after_no_space(self, key: ChunkKey, job: WriteJob, size: int) -> None:
         """Lower the effective capacity to what the filesystem holds and evict down to it."""
@@ -685,19 +743,38 @@ class DiskTier(LowerTier):
         whether its file was in the page cache before."""
         key_bytes = key.to_bytes()
         header_len = check_encodable(key_bytes, obj.num_tokens, specs, self.limits)
-        offsets = obj.layout.group_offsets(obj.num_tokens)
-        extents = [
-            (obj.offset + offset, group.nbytes(obj.num_tokens))
-            for offset, group in zip(offsets, obj.layout.groups, strict=True)
-        ]
-        answer = await plane.read(
-            str(entry.path),
-            header_len,
-            sum(length for _, length in extents),
-            extents,
-            STRIPE_BYTES,
-            self._stamp(),
+        extents = _arena_extents(obj)
+        payload_len = sum(length for _, length in extents)
+        # As on the threads: runs of whole stripes, one job each, so one chunk's read spreads
+        # over several workers. Every part ends before this returns, whatever the outcome.
+        stripes = stripe_count(payload_len)
+        per_part = max(1, self.file_ops.read_slice_bytes // STRIPE_BYTES)
+        stamp = self._stamp()
+        parts = await asyncio.gather(
+            *(
+                plane.read(
+                    str(entry.path),
+                    header_len,
+                    payload_len,
+                    extents,
+                    STRIPE_BYTES,
+                    stamp,
+                    (start, min(start + per_part, stripes)),
+                )
+                for start in range(0, max(stripes, 1), per_part)
+            ),
+            return_exceptions=True,
         )
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        answers = typing.cast("list[ChunkBytes]", parts)
+        answer = answers[0]
+        for part in answers:
+            if part.status != "read":
+                answer = part
+                break
+        digests = [digest for part in answers for digest in part.digests]
         if answer.status == "missing":
             return ReadOutcome.MISSING, "", None
         if answer.status != "read":
@@ -715,7 +792,7 @@ class DiskTier(LowerTier):
         )
         if check is not FrameCheck.OK:
             return ReadOutcome.CORRUPT, detail, None
-        problem = check_payload_checksums(header, answer.digests)
+        problem = check_payload_checksums(header, digests)
         if problem is not None:
             return ReadOutcome.CORRUPT, problem, None
         return ReadOutcome.HIT, "", answer.cached
@@ -751,3 +828,12 @@ class DiskTier(LowerTier):
         self._bytes_used -= entry.size
         await self._unlink_entries([(key, entry)])
         return True
+
+
+def _arena_extents(obj: MemoryObj) -> list[tuple[int, int]]:
+    """The ``(arena offset, length)`` runs of ``obj``'s groups, in payload order."""
+    offsets = obj.layout.group_offsets(obj.num_tokens)
+    return [
+        (obj.offset + offset, group.nbytes(obj.num_tokens))
+        for offset, group in zip(offsets, obj.layout.groups, strict=True)
+    ]
