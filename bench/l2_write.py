@@ -11,7 +11,8 @@ Ceilings, the same bytes as files of the same size written with ``pwrite`` by as
 L2 keeps writes in flight: into the page cache, and then one ``syncfs`` (the disk); the best of
 three passes each.
 
-Usage: ``PYTHONPATH=. python3 bench/l2_write.py [--tokens N] [--dir DIR] [--l1-size SIZE]``.
+Usage: ``PYTHONPATH=. python3 bench/l2_write.py [--tokens N] [--dir DIR] [--l1-size SIZE]
+[--io-plane auto|threads|processes]``.
 The table is printed last: seconds, GB/s and the ratio to the matching ceiling.
 """
 
@@ -59,7 +60,12 @@ def make_caches(tokens: int, device: str) -> list[torch.Tensor]:
 
 
 async def engine_write(
-    caches: list[torch.Tensor], tokens: int, root: Path, durability: str, l1_size: str
+    caches: list[torch.Tensor],
+    tokens: int,
+    root: Path,
+    durability: str,
+    l1_size: str,
+    io_plane: str = "auto",
 ) -> tuple[float, int]:
     """Seconds from ``store`` until the chunks are on L2 as ``durability`` means it, and the
     bytes L2 wrote."""
@@ -69,6 +75,7 @@ async def engine_write(
         l2_path=str(root),
         l2_size="512GiB",
         l2_durability=durability,  # type: ignore[arg-type]
+        io_plane=io_plane,  # type: ignore[arg-type]
     )
     engine = TieredKVEngine(config)
     await engine.open()
@@ -124,6 +131,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--dir", type=Path, help="where L2 goes (default: a temp dir)")
     parser.add_argument("--l1-size", default="8GiB", help="the engine's L1 (%(default)s)")
+    parser.add_argument(
+        "--io-plane", default="auto", choices=("auto", "threads", "processes"), help="%(default)s"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parent = Path(tempfile.mkdtemp(prefix="tkv-l2-write-", dir=args.dir))
@@ -148,7 +158,9 @@ def main() -> int:
         for durability in ("none", "batched", "per_write"):
             target = parent / durability
             seconds, written = asyncio.run(
-                engine_write(caches, args.tokens, target, durability, args.l1_size)
+                engine_write(
+                    caches, args.tokens, target, durability, args.l1_size, args.io_plane
+                )
             )
             ceiling = raw[durability != "none"]
             log(f"engine, durability {durability}: {seconds:.2f} s, {written} bytes")
@@ -157,7 +169,10 @@ def main() -> int:
             DEFAULT_FILE_OPS.sync_filesystem(parent)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
-    print(f"\n{args.tokens} tokens ({kv_bytes / 1e9:.2f} GB), {WRITES_IN_FLIGHT} writes in flight")
+    print(
+        f"\n{args.tokens} tokens ({kv_bytes / 1e9:.2f} GB), {WRITES_IN_FLIGHT} raw writers, "
+        f"io_plane {args.io_plane}"
+    )
     print(f"{'path':<28}{'seconds':>9}{'GB/s':>8}{'x ceiling':>11}")
     for label, seconds, nbytes, ratio in rows:
         print(f"{label:<28}{seconds:>9.2f}{nbytes / seconds / 1e9:>8.2f}{ratio:>11}")

@@ -65,7 +65,8 @@ pagecache = _load_pagecache()
 
 PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20
-READ_PIECE = 1 << 20  # bytes per read call: hashed right after, while still in the CPU cache
+# Bytes per read or write call, hashed right after (or before) it while in the CPU's cache.
+READ_PIECE = 1 << 20
 
 
 def _die_with_parent() -> None:
@@ -199,12 +200,15 @@ def write_chunk(arena: memoryview, job: tuple[Any, ...]) -> tuple[object, ...]:
             digests = []
             for start in range(0, payload_len, stripe_bytes):
                 end = min(start + stripe_bytes, payload_len)
-                pieces = _pieces(arena, extents, start, end)
                 state = xxhash.xxh3_64()
-                for piece in pieces:
-                    state.update(piece)
+                for piece_start in range(start, end, READ_PIECE):  # hashed, then written
+                    pieces = _pieces(
+                        arena, extents, piece_start, min(piece_start + READ_PIECE, end)
+                    )
+                    for piece in pieces:
+                        state.update(piece)
+                    _write_all(fd, pieces, len(header) + piece_start)
                 digests.append(state.intdigest())
-                _write_all(fd, pieces, len(header) + start)
             struct.pack_into(f"<{len(digests)}Q", header, checksums_at, *digests)
             checked_end = len(header) - 8
             digest = xxhash.xxh3_64_intdigest(memoryview(header)[:checked_end])
@@ -261,11 +265,9 @@ def main() -> None:
     arena_fd, arena_bytes, socket_fd = (int(value) for value in sys.argv[1:4])
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops its workers itself
-    # Populated at once: the page-table entries of the whole arena, here, before the first job,
-    # not a fault per 4 KiB page the first time each job touches one (twice the read rate for
-    # a fresh mapping on the development VM; steady state holds the same entries anyway).
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mapping = mmap.mmap(arena_fd, arena_bytes, flags=flags)
+    # Not MAP_POPULATE: measured, it bought nothing once warm (H200 host, development VM) and
+    # cost up to a second at each start (page tables of the whole arena in every worker).
+    mapping = mmap.mmap(arena_fd, arena_bytes)
     arena = memoryview(mapping)
     channel = socket.socket(fileno=socket_fd)
     while True:
