@@ -158,9 +158,7 @@ def main() -> int:
         for durability in ("none", "batched", "per_write"):
             target = parent / durability
             seconds, written = asyncio.run(
-                engine_write(
-                    caches, args.tokens, target, durability, args.l1_size, args.io_plane
-                )
+                engine_write(caches, args.tokens, target, durability, args.l1_size, args.io_plane)
             )
             ceiling = raw[durability != "none"]
             log(f"engine, durability {durability}: {seconds:.2f} s, {written} bytes")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import random
@@ -154,10 +155,12 @@ async def _serve_turn(
             # each scattered batch, so this needs L1 nearly full of referenced chunks); the
             # engine computes the rest.
             report.short_retrieves += 1
-        good, bad = model.verify(keys, blocks, valid)
+        # The model's work runs off the loop, as a serving engine's model runner does: the
+        # loop keeps serving the lower tiers' completions meanwhile.
+        good, bad = await asyncio.to_thread(model.verify, keys, blocks, valid)
         report.verified_chunks += good
         report.mismatched_chunks += bad
-        model.prefill(keys, blocks, valid, len(prompt))
+        await asyncio.to_thread(model.prefill, keys, blocks, valid, len(prompt))
         await engine.store(prompt, blocks)
     finally:
         model.free(blocks)
