@@ -58,7 +58,6 @@ async def engine_burst(
         l2_path=str(root),
         l2_size="64GiB",
         io_plane=io_plane,  # type: ignore[arg-type]
-        lower_write_queue=int(os.environ.get("WQ", "256")),
     )
     engine = TieredKVEngine(config)
     await engine.open()
