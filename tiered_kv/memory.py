@@ -274,6 +274,15 @@ class MemoryObj:
             for off, g in zip(offsets, self.layout.groups, strict=True)
         ]
 
+    def group_runs(self) -> list[tuple[int, int]]:
+        """``(arena offset, length)`` of each group, in payload order: what `group_buffers`
+        views, as an I/O worker process names it (it maps the arena itself)."""
+        offsets = self.layout.group_offsets(self.num_tokens)
+        return [
+            (self.offset + off, g.nbytes(self.num_tokens))
+            for off, g in zip(offsets, self.layout.groups, strict=True)
+        ]
+
     def group_specs(self) -> tuple[GroupSpec, ...]:
         """The codec's view of the groups: one ``[L, K, T, D]`` spec each, as frames store
         them (L2 files and L3 frames)."""

@@ -66,7 +66,7 @@ class ChunkBytes:
     """A worker's answer: ``status`` "read" (``header``: the file's first bytes; ``digests``:
     one per stripe, None past a short file's end), "missing" or "error" (``detail``)."""
 
-    status: Literal["read", "missing", "error"]
+    status: Literal["read", "missing", "mismatch", "error"]
     header: bytes
     digests: list[int | None]
     file_size: int
@@ -87,6 +87,7 @@ class WriteDone:
 
 
 Role = Literal["read", "write"]
+RemoteEndpoint = tuple[str, int, bytes]  # a tkv:// server: host, port, shared token (b"": none)
 
 
 @dataclasses.dataclass(eq=False)
@@ -254,8 +255,63 @@ class WorkerPlane:
         )
         return PlaneWrite(future, functools.partial(self._until_done, worker, future))
 
+    async def remote_get(
+        self,
+        endpoint: RemoteEndpoint,
+        key: bytes,
+        header_len: int,
+        payload_len: int,
+        extents: list[tuple[int, int]],
+        stripe_bytes: int,
+        timeout_s: float,
+    ) -> ChunkBytes:
+        """GET ``key`` from the ``tkv://`` server at ``endpoint`` over a read worker's own
+        connection: the chunk frame's first ``header_len`` bytes back, its payload into the
+        arena runs ``extents``, hashed per ``stripe_bytes`` (status "mismatch": a frame of
+        another length, not read). Cancellation as for `read`."""
+        worker, future = self._submit(
+            "read",
+            (
+                *endpoint,
+                key,
+                header_len,
+                payload_len,
+                extents,
+                stripe_bytes,
+                timeout_s,
+            ),
+            kind="get",
+        )
+        try:
+            answer = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await self._until_done(worker, future)
+            raise
+        return ChunkBytes(*answer)  # type: ignore[arg-type]
+
+    def submit_remote_put(
+        self,
+        endpoint: RemoteEndpoint,
+        key: bytes,
+        header: bytes,
+        checksums_at: int,
+        extents: list[tuple[int, int]],
+        stripe_bytes: int,
+        timeout_s: float,
+    ) -> PlaneWrite:
+        """PUT the chunk whose payload lies in the arena runs ``extents`` under ``key`` on the
+        ``tkv://`` server at ``endpoint``, over a write worker's own connection; the header
+        (``header``, a `tiered_kv.codec.HeaderTemplate`'s bytes) is sealed there. As for
+        `submit_write`."""
+        worker, future = self._submit(
+            "write",
+            (*endpoint, key, header, checksums_at, extents, stripe_bytes, timeout_s),
+            kind="put",
+        )
+        return PlaneWrite(future, functools.partial(self._until_done, worker, future))
+
     def _submit(
-        self, role: Role, job: tuple[object, ...]
+        self, role: Role, job: tuple[object, ...], kind: str | None = None
     ) -> tuple[_Worker, asyncio.Future[tuple[object, ...]]]:
         if self._closing or not self._started:
             raise EngineStateError(f"WorkerPlane: {role}: the plane is not running")
@@ -270,7 +326,7 @@ class WorkerPlane:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[object, ...]] = loop.create_future()
         worker.pending[job_id] = future
-        worker.outbox.append((role, job_id, *job))
+        worker.outbox.append((kind or role, job_id, *job))
         self._jobs[role] += 1
         if not self._flush_scheduled:  # the jobs started in this loop iteration go together
             self._flush_scheduled = True

@@ -45,6 +45,8 @@ import signal
 import socket
 import struct
 import sys
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
@@ -231,19 +233,286 @@ def write_chunk(arena: memoryview, job: tuple[Any, ...]) -> tuple[object, ...]:
     return (job_id, "written", 0, "", space)
 
 
-def serve(arena: memoryview, jobs: list[tuple[Any, ...]]) -> list[tuple[object, ...]]:
+# -- the built-in remote cache (tkv://), its frames as tiered_kv/tiers/remote/protocol.py has
+# them (a test checks these constants against that module) ----------------------------------
+TKV_MAGIC = b"TKVP"
+TKV_VERSION = 1
+TKV_HEADER = struct.Struct("<4sBBBBIIQ")  # magic, version, op, status, flags, id, meta, data
+TKV_AUTH, TKV_PUT, TKV_GET = 1, 4, 5
+TKV_REQUEST, TKV_OK, TKV_NOT_FOUND, TKV_ERROR = 0, 1, 2, 3
+TKV_MAX_META = 1 << 20  # an answer's meta is a short message at most
+BACKOFF_S = (0.25, 2.0)  # after a failed connect: first wait, longest
+
+
+class SizeMismatch(Exception):
+    """A GET answered with a frame of another length than the layout asked for."""
+
+
+class RemoteDown(OSError):
+    """The endpoint failed to connect recently: not tried again until its backoff ends."""
+
+
+class Endpoint:
+    """One worker's connection to one ``tkv://`` server (opened and authenticated on first use,
+    closed after any error; connects that fail back off)."""
+
+    def __init__(self, host: str, port: int, token: bytes) -> None:
+        self.host, self.port, self.token = host, port, token
+        self.sock: socket.socket | None = None
+        self.down_until = 0.0
+        self.backoff = BACKOFF_S[0]
+        self.next_id = 1
+
+    def connect(self, timeout: float) -> socket.socket:
+        if self.sock is not None:
+            self.sock.settimeout(timeout)
+            return self.sock
+        if time.monotonic() < self.down_until:
+            raise RemoteDown(f"tkv://{self.host}:{self.port} is down (backing off)")
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout)
+        except OSError:
+            self.down_until = time.monotonic() + self.backoff
+            self.backoff = min(self.backoff * 2, BACKOFF_S[1])
+            raise
+        self.backoff = BACKOFF_S[0]
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        if self.token:
+            try:
+                self.send(TKV_AUTH, b"", self.token)
+                status, meta, data_len = self.answer(TKV_AUTH)
+                if status != TKV_OK or data_len:
+                    raise ConnectionError(f"AUTH refused: {meta[2:].decode(errors='replace')}")
+            except BaseException:
+                self.close()
+                raise
+        return sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.sock = None
+
+    def send(
+        self, op: int, key: bytes, meta_tail: bytes = b"", data: Sequence[memoryview] = ()
+    ) -> None:
+        """A request frame: meta is ``key`` (+ ``meta_tail``), data the views ``data``."""
+        assert self.sock is not None
+        meta = key + meta_tail
+        data_len = sum(len(piece) for piece in data)
+        head = TKV_HEADER.pack(TKV_MAGIC, TKV_VERSION, op, TKV_REQUEST, 0, self.next_id, len(meta),
+                               data_len)  # fmt: skip
+        self.next_id = (self.next_id + 1) & 0xFFFFFFFF
+        self.sock.sendall(head + meta)
+        for piece in data:
+            self.sock.sendall(piece)
+
+    def recv_into(self, view: memoryview) -> None:
+        assert self.sock is not None
+        while view:
+            count = self.sock.recv_into(view)
+            if not count:
+                raise ConnectionError("connection closed by the server")
+            view = view[count:]
+
+    def answer(self, op: int) -> tuple[int, bytes, int]:
+        """The next answer's status, meta and data length (its data left to read)."""
+        head = bytearray(TKV_HEADER.size)
+        self.recv_into(memoryview(head))
+        magic, version, got_op, status, _, _, meta_len, data_len = TKV_HEADER.unpack(head)
+        if magic != TKV_MAGIC or version != TKV_VERSION or got_op != op:
+            raise ConnectionError(f"not an answer to op {op}: {bytes(head[:8])!r}")
+        if meta_len > TKV_MAX_META:
+            raise ConnectionError(f"answer meta of {meta_len} bytes")
+        meta = bytearray(meta_len)
+        self.recv_into(memoryview(meta))
+        return status, bytes(meta), data_len
+
+
+def _endpoint(endpoints: dict[tuple[str, int], Endpoint], job: tuple[Any, ...]) -> Endpoint:
+    host, port, token = job[2], job[3], job[4]
+    endpoint = endpoints.get((host, port))
+    if endpoint is None or endpoint.token != token:
+        if endpoint is not None:
+            endpoint.close()
+        endpoint = endpoints[(host, port)] = Endpoint(host, port, token)
+    return endpoint
+
+
+def remote_gets(
+    arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
+) -> dict[int, tuple[object, ...]]:
+    """GET jobs ``("get", job_id, host, port, token, key, header_len, payload_len, extents,
+    stripe_bytes, timeout)``: all of one endpoint sent at once (the server answers in order),
+    then each answer read: the chunk frame's header back, its payload into the arena runs,
+    hashed per stripe. Answers as a read's (``file_size``: the frame's length; status
+    ``"mismatch"`` for a frame of another length, left unread); any connection error fails
+    that endpoint's jobs still unanswered and closes the connection."""
+    answers: dict[int, tuple[object, ...]] = {}
+    by_endpoint: dict[int, list[tuple[Any, ...]]] = {}
+    for job in jobs:
+        by_endpoint.setdefault(id(_endpoint(endpoints, job)), []).append(job)
+    for group in by_endpoint.values():
+        endpoint = _endpoint(endpoints, group[0])
+        current: tuple[Any, ...] | None = None
+        try:
+            endpoint.connect(group[0][10])
+            for job in group:
+                endpoint.send(TKV_GET, job[5])
+            for current in group:
+                answers[current[1]] = _get_answer(arena, endpoint, current)
+        except (OSError, ConnectionError, SizeMismatch) as exc:
+            endpoint.close()
+            if isinstance(exc, SizeMismatch) and current is not None:
+                answers[current[1]] = (current[1], "mismatch", b"", [], 0, None, str(exc))
+            for job in group:
+                if job[1] not in answers:
+                    answers[job[1]] = (
+                        job[1],
+                        "error",
+                        b"",
+                        [],
+                        0,
+                        None,
+                        f"{type(exc).__name__}: {exc}",
+                    )
+    return answers
+
+
+def _get_answer(arena: memoryview, endpoint: Endpoint, job: tuple[Any, ...]) -> tuple[object, ...]:
+    (_, job_id, _, _, _, _, header_len, payload_len, extents, stripe_bytes, _) = job
+    status, meta, data_len = endpoint.answer(TKV_GET)
+    if status == TKV_NOT_FOUND:
+        return (job_id, "missing", b"", [], 0, None, "")
+    if status != TKV_OK:
+        detail = meta[2:].decode(errors="replace") if status == TKV_ERROR else f"status {status}"
+        if data_len:
+            raise ConnectionError(f"an error answer with {data_len} data bytes")
+        return (job_id, "error", b"", [], 0, None, detail)
+    if data_len != header_len + payload_len:
+        # Another layout under this key (or a bad server): not read; the connection is left
+        # behind rather than drained by a length the server claims.
+        raise SizeMismatch(f"{data_len} bytes, expected {header_len + payload_len}")
+    header = bytearray(header_len)
+    endpoint.recv_into(memoryview(header))
+    digests: list[int | None] = []
+    for start in range(0, payload_len, stripe_bytes):
+        end = min(start + stripe_bytes, payload_len)
+        state = xxhash.xxh3_64()
+        for piece_start in range(start, end, READ_PIECE):
+            for piece in _pieces(arena, extents, piece_start, min(piece_start + READ_PIECE, end)):
+                endpoint.recv_into(piece)
+                state.update(piece)
+        digests.append(state.intdigest())
+    return (job_id, "read", bytes(header), digests, data_len, None, "")
+
+
+def remote_puts(
+    arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
+) -> dict[int, tuple[object, ...]]:
+    """PUT jobs ``("put", job_id, host, port, token, key, header, checksums_at, extents,
+    stripe_bytes, timeout)``: each payload hashed, its header sealed (as `write_chunk` does),
+    the frame sent; all of one endpoint sent, then the answers read. Answers as a write's."""
+    answers: dict[int, tuple[object, ...]] = {}
+    by_endpoint: dict[int, list[tuple[Any, ...]]] = {}
+    for job in jobs:
+        by_endpoint.setdefault(id(_endpoint(endpoints, job)), []).append(job)
+    for group in by_endpoint.values():
+        endpoint = _endpoint(endpoints, group[0])
+        sent = []
+        try:
+            endpoint.connect(group[0][10])
+            for job in group:
+                (_, job_id, _, _, _, key, template, checksums_at, extents, stripe_bytes, _) = job
+                header = _sealed(arena, template, checksums_at, extents, stripe_bytes)
+                if header is None:
+                    answers[job_id] = (
+                        job_id,
+                        "error",
+                        0,
+                        "the header has no room for its stripes",
+                        None,
+                    )
+                    continue
+                pieces = _pieces(arena, extents, 0, sum(length for _, length in extents))
+                endpoint.send(TKV_PUT, key, data=[memoryview(header), *pieces])
+                sent.append(job_id)
+            for job_id in sent:
+                status, meta, data_len = endpoint.answer(TKV_PUT)
+                if data_len:
+                    raise ConnectionError(f"a PUT answer with {data_len} data bytes")
+                if status == TKV_OK:
+                    answers[job_id] = (job_id, "written", 0, "", None)
+                else:
+                    detail = meta[2:].decode(errors="replace")
+                    answers[job_id] = (job_id, "error", 0, detail or f"status {status}", None)
+        except (OSError, ConnectionError) as exc:
+            endpoint.close()
+            for job in group:
+                if job[1] not in answers:
+                    answers[job[1]] = (job[1], "error", 0, f"{type(exc).__name__}: {exc}", None)
+    return answers
+
+
+def _sealed(
+    arena: memoryview,
+    template: bytes,
+    checksums_at: int,
+    extents: list[tuple[int, int]],
+    stripe_bytes: int,
+) -> bytearray | None:
+    """``template`` with the payload's stripe checksums and the header checksum filled in."""
+    header = bytearray(template)
+    payload_len = sum(length for _, length in extents)
+    stripes = -(-payload_len // stripe_bytes)
+    if len(header) != checksums_at + 8 * stripes + 8:
+        return None
+    digests = []
+    for start in range(0, payload_len, stripe_bytes):
+        state = xxhash.xxh3_64()
+        for piece in _pieces(arena, extents, start, min(start + stripe_bytes, payload_len)):
+            state.update(piece)
+        digests.append(state.intdigest())
+    struct.pack_into(f"<{stripes}Q", header, checksums_at, *digests)
+    checked_end = len(header) - 8
+    struct.pack_into(
+        "<Q", header, checked_end, xxhash.xxh3_64_intdigest(memoryview(header)[:checked_end])
+    )
+    return header
+
+
+def _failed(job: tuple[Any, ...], exc: Exception) -> tuple[object, ...]:
+    detail = f"{type(exc).__name__}: {exc}"
+    if job[0] in ("read", "get"):
+        return (job[1], "error", b"", [], 0, None, detail)
+    return (job[1], "error", 0, detail, None)
+
+
+def serve(
+    arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
+) -> list[tuple[object, ...]]:
     """Every job of a message, in order; then one fsync per directory renamed into by an
     ``fsync`` write (a failed one fails those writes and removes their files)."""
-    answers = []
+    answers: list[tuple[object, ...]] = []
+    remote: dict[int, tuple[object, ...]] = {}
+    for kind, run in (("get", remote_gets), ("put", remote_puts)):
+        batch = [job for job in jobs if job[0] == kind]
+        if batch:
+            try:
+                remote.update(run(arena, batch, endpoints))
+            except Exception as exc:  # a malformed job: its answers say so, the worker lives on
+                for job in batch:
+                    remote.setdefault(job[1], _failed(job, exc))
     for job in jobs:
+        if job[0] in ("get", "put"):
+            answers.append(remote[job[1]])
+            continue
         try:
             answers.append(read_chunk(arena, job) if job[0] == "read" else write_chunk(arena, job))
         except Exception as exc:  # a malformed job: its answer says so, the worker lives on
-            detail = f"{type(exc).__name__}: {exc}"
-            if job[0] == "read":
-                answers.append((job[1], "error", b"", [], 0, None, detail))
-            else:
-                answers.append((job[1], "error", 0, detail, None))
+            answers.append(_failed(job, exc))
     synced: dict[str, list[int]] = {}
     for index, (job, answer) in enumerate(zip(jobs, answers, strict=True)):
         if job[0] == "write" and job[9] and answer[1] == "written":
@@ -270,6 +539,7 @@ def main() -> None:
     mapping = mmap.mmap(arena_fd, arena_bytes)
     arena = memoryview(mapping)
     channel = socket.socket(fileno=socket_fd)
+    endpoints: dict[tuple[str, int], Endpoint] = {}
     while True:
         # Every batch already sent is taken at once and answered in one message: the engine's
         # loop then wakes once for all of them (each wake-up beside a busy Python thread can
@@ -287,7 +557,7 @@ def main() -> None:
                 return
             jobs.extend(pickle.loads(message))
             flags = socket.MSG_DONTWAIT
-        channel.sendall(pickle.dumps(serve(arena, jobs)))
+        channel.sendall(pickle.dumps(serve(arena, jobs, endpoints)))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tiered_kv.codec import (
     DEFAULT_LIMITS,
+    STRIPE_BYTES,
     CodecLimits,
     FrameCheck,
     GroupSpec,
@@ -36,17 +36,16 @@ from tiered_kv.codec import (
     decode_header,
     encode_header,
     encoded_header_len,
+    header_template,
     payload_checksums,
 )
-from tiered_kv.errors import CodecError, ConfigError, EngineStateError, RemoteDown
+from tiered_kv.errors import CodecError, ConfigError, EngineStateError, RemoteDown, RemoteError
+from tiered_kv.io.plane import READS_PER_WORKER, WRITES_PER_WORKER, WorkerPlane
 from tiered_kv.keys import ChunkKey
 from tiered_kv.memory import MemoryObj
 from tiered_kv.snapshot import counter_fields
 from tiered_kv.tiers.base import TIER_OCCUPANCY, LowerTier, TierStats
 from tiered_kv.tiers.remote.connector import FetchStatus, FrameSink, RemoteConnector
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +114,36 @@ class RemoteTier(LowerTier):
         self._write_seconds = 0.0
         self._read_seconds = 0.0
         self._state = "new"
+        self._plane: WorkerPlane | None = None
+        self._endpoint: tuple[str, int, bytes] | None = None
+
+    def use_plane(self, plane: WorkerPlane | None) -> bool:
+        """GET and PUT the bytes of chunks whose objects lie in ``plane``'s arena through its
+        worker processes, each over its own connection to the store, when the connector says
+        where the store is (`RemoteConnector.plane_endpoint`: ``tkv://``); lookups, deletes
+        and stats stay on the connector."""
+        self._endpoint = self.connector.plane_endpoint() if plane is not None else None
+        self._plane = plane if self._endpoint is not None else None
+        return self._plane is not None
+
+    def _plane_for(self, obj: MemoryObj) -> WorkerPlane | None:
+        plane = self._plane
+        return plane if plane is not None and plane.serves(obj.arena) else None
 
     @property
     def read_parallelism(self) -> int:
         """The connector's connections, each with `RemoteConnector.pipeline_depth` loads in
-        flight."""
+        flight; with an I/O plane, `READS_PER_WORKER` per read worker."""
+        if self._plane is not None:
+            return self._plane.size * READS_PER_WORKER
         return self.connector.connections * self.connector.pipeline_depth
+
+    @property
+    def write_parallelism(self) -> int:
+        """With an I/O plane, `WRITES_PER_WORKER` per write worker."""
+        if self._plane is not None:
+            return self._plane.write_size * WRITES_PER_WORKER
+        return super().write_parallelism
 
     # -- lifetime ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -215,15 +238,24 @@ class RemoteTier(LowerTier):
         specs = obj.group_specs()
         buffers = obj.group_buffers()
         key_bytes = key.to_bytes()
-        self.connector.use_host_memory(obj.arena.base_ptr, obj.arena.capacity)
+        plane = self._plane_for(obj)
+        if plane is None:
+            self.connector.use_host_memory(obj.arena.base_ptr, obj.arena.capacity)
         started = time.perf_counter()
         try:
-            header = encode_header(
-                key_bytes, obj.num_tokens, specs, payload_checksums(buffers), limits=self.limits
-            )
-            frame_len = len(header) + sum(len(buffer) for buffer in buffers)
-            async with asyncio.timeout(self.timeout_s):
-                await self.connector.put(key, [header, *buffers], frame_len)
+            if plane is not None:
+                frame_len = await self._put_in_worker(plane, key_bytes, obj, specs)
+            else:
+                header = encode_header(
+                    key_bytes,
+                    obj.num_tokens,
+                    specs,
+                    payload_checksums(buffers),
+                    limits=self.limits,
+                )
+                frame_len = len(header) + sum(len(buffer) for buffer in buffers)
+                async with asyncio.timeout(self.timeout_s):
+                    await self.connector.put(key, [header, *buffers], frame_len)
         except Exception as exc:  # tier boundary: a skipped store
             self._counters["put_failures"] += 1
             self._failed("put", key, exc)
@@ -235,13 +267,42 @@ class RemoteTier(LowerTier):
         self._counters["bytes_written"] += frame_len
         return True
 
+    async def _put_in_worker(
+        self, plane: WorkerPlane, key_bytes: bytes, obj: MemoryObj, specs: tuple[GroupSpec, ...]
+    ) -> int:
+        """The frame sent by a write worker, its header sealed there; its length. Raises on
+        failure (the caller's tier boundary counts it)."""
+        assert self._endpoint is not None
+        template = header_template(key_bytes, obj.num_tokens, specs, limits=self.limits)
+        extents = obj.group_runs()
+        write = plane.submit_remote_put(
+            self._endpoint,
+            key_bytes,
+            template.data,
+            template.checksums_at,
+            extents,
+            STRIPE_BYTES,
+            self.timeout_s,
+        )
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                done = await write.done()
+        except BaseException:
+            await write.settle()  # nothing reads obj's bytes after this
+            raise
+        if done.status != "written":
+            raise RemoteError(f"PUT through an I/O worker: {done.detail}")
+        return len(template.data) + sum(length for _, length in extents)
+
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
         self._check_open("get_into")
         specs = obj.group_specs()
         key_bytes = key.to_bytes()
-        sink = FrameSink(
-            bytearray(encoded_header_len(len(key_bytes), specs)), obj.group_buffers(), owner=obj
-        )
+        header_len = encoded_header_len(len(key_bytes), specs)
+        plane = self._plane_for(obj)
+        if plane is not None:
+            return await self._get_in_worker(plane, key, key_bytes, header_len, obj, specs)
+        sink = FrameSink(bytearray(header_len), obj.group_buffers(), owner=obj)
         self.connector.use_host_memory(obj.arena.base_ptr, obj.arena.capacity)
         started = time.perf_counter()
         try:
@@ -262,7 +323,59 @@ class RemoteTier(LowerTier):
             self._counters["layout_mismatch"] += 1
             self._counters["misses"] += 1
             return False
-        problem = self._verify(key_bytes, obj.num_tokens, specs, sink)
+        problem = self._verify(
+            key_bytes, obj.num_tokens, specs, sink.header, sink.total_len, sink.hasher.digests()
+        )
+        return await self._judged(key, problem, sink.total_len)
+
+    async def _get_in_worker(
+        self,
+        plane: WorkerPlane,
+        key: ChunkKey,
+        key_bytes: bytes,
+        header_len: int,
+        obj: MemoryObj,
+        specs: tuple[GroupSpec, ...],
+    ) -> bool:
+        """The frame received by a read worker straight into ``obj``, judged here as the
+        connector's would be."""
+        extents = obj.group_runs()
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                answer = await plane.remote_get(
+                    self._endpoint,  # type: ignore[arg-type]
+                    key_bytes,
+                    header_len,
+                    sum(length for _, length in extents),
+                    extents,
+                    STRIPE_BYTES,
+                    self.timeout_s,
+                )
+            if answer.status == "error":
+                raise RemoteError(answer.detail)
+        except Exception as exc:  # tier boundary: a miss
+            self._counters["read_failures"] += 1
+            self._counters["misses"] += 1
+            self._failed("get", key, exc)
+            return False
+        finally:
+            self._read_seconds += time.perf_counter() - started
+        if answer.status == "missing":
+            self._forget(key)
+            self._counters["misses"] += 1
+            return False
+        if answer.status == "mismatch":
+            self._counters["layout_mismatch"] += 1
+            self._counters["misses"] += 1
+            return False
+        problem = self._verify(
+            key_bytes, obj.num_tokens, specs, answer.header, answer.file_size, answer.digests
+        )
+        return await self._judged(key, problem, answer.file_size)
+
+    async def _judged(self, key: ChunkKey, problem: str | None, frame_len: int) -> bool:
+        """Count a received frame by ``problem`` (`_verify`'s verdict); True for a hit."""
         if problem is not None:
             self._counters["misses"] += 1
             if problem == "layout":
@@ -274,15 +387,21 @@ class RemoteTier(LowerTier):
             return False
         self._remember(key)
         self._counters["hits"] += 1
-        self._counters["bytes_read"] += sink.total_len
+        self._counters["bytes_read"] += frame_len
         return True
 
     def _verify(
-        self, key_bytes: bytes, num_tokens: int, specs: tuple[GroupSpec, ...], sink: FrameSink
+        self,
+        key_bytes: bytes,
+        num_tokens: int,
+        specs: tuple[GroupSpec, ...],
+        header_bytes: bytes | bytearray,
+        frame_len: int,
+        digests: Sequence[int | None],
     ) -> str | None:
         """None when the frame is ours and intact; else "layout" or what is corrupt."""
         try:
-            header = decode_header(sink.header, self.limits)
+            header = decode_header(header_bytes, self.limits)
         except CodecError as exc:
             return f"bad header: {exc}"
         check, detail = check_frame_header(
@@ -290,13 +409,13 @@ class RemoteTier(LowerTier):
             key_bytes=key_bytes,
             num_tokens=num_tokens,
             groups=specs,
-            frame_len=sink.total_len,
+            frame_len=frame_len,
         )
         if check is FrameCheck.OTHER_LAYOUT:
             return "layout"
         if check is not FrameCheck.OK:  # another key under this key's name: corrupt here
             return detail
-        return check_payload_checksums(header, sink.hasher.digests())
+        return check_payload_checksums(header, digests)
 
     async def _remove_corrupt(self, key: ChunkKey) -> None:
         self._forget(key)

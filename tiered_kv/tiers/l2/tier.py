@@ -592,7 +592,7 @@ class DiskTier(LowerTier):
             str(job.final_path),
             template.data,
             template.checksums_at,
-            _arena_extents(obj),
+            obj.group_runs(),
             STRIPE_BYTES,
             job.stamp_ns,
             job.fsync,
@@ -743,7 +743,7 @@ class DiskTier(LowerTier):
         whether its file was in the page cache before."""
         key_bytes = key.to_bytes()
         header_len = check_encodable(key_bytes, obj.num_tokens, specs, self.limits)
-        extents = _arena_extents(obj)
+        extents = obj.group_runs()
         payload_len = sum(length for _, length in extents)
         # As on the threads: runs of whole stripes, one job each, so one chunk's read spreads
         # over several workers. Every part ends before this returns, whatever the outcome.
@@ -828,12 +828,3 @@ class DiskTier(LowerTier):
         self._bytes_used -= entry.size
         await self._unlink_entries([(key, entry)])
         return True
-
-
-def _arena_extents(obj: MemoryObj) -> list[tuple[int, int]]:
-    """The ``(arena offset, length)`` runs of ``obj``'s groups, in payload order."""
-    offsets = obj.layout.group_offsets(obj.num_tokens)
-    return [
-        (obj.offset + offset, group.nbytes(obj.num_tokens))
-        for offset, group in zip(offsets, obj.layout.groups, strict=True)
-    ]

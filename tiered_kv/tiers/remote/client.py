@@ -447,6 +447,11 @@ class RemoteClient:
         self.connect_failures = 0
         self.aborted_connections = 0
 
+    @property
+    def token(self) -> bytes | None:
+        """The shared token sent at AUTH (None: the server has none)."""
+        return self._token
+
     async def __aenter__(self) -> RemoteClient:
         return self
 
@@ -727,6 +732,9 @@ class TkvConnector(RemoteConnector):
 
     async def open(self) -> None:
         return None  # connections open lazily, so a server that is down only costs misses
+
+    def plane_endpoint(self) -> tuple[str, int, bytes] | None:
+        return (self.client.host, self.client.port, self.client.token or b"")
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return await self.client.exists([key.to_bytes() for key in keys])

@@ -109,6 +109,12 @@ class RemoteConnector(abc.ABC):
         `get_into`; must not block. Default: nothing to do."""
         return None
 
+    def plane_endpoint(self) -> tuple[str, int, bytes] | None:
+        """Where I/O worker processes may reach the store themselves (host, port, shared
+        token), moving GET and PUT bytes outside the engine's interpreter; None (the default)
+        when only this connector speaks to it."""
+        return None
+
     # Requests worth queuing on one connection at once: a store that answers them back to back
     # takes 2, so the next answer follows the last with no idle round trip between chunks.
     pipeline_depth: int = 1
