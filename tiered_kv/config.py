@@ -140,12 +140,14 @@ class EngineConfig:
         may lose the chunks written since the last sync and never serves a torn one
         (docs/architecture.md, "L2 disk tier").
     l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
-    io_plane: where L2 reads and writes move their bytes: "processes" (I/O worker processes
-        that read straight into L1 and write chunk files straight from it, L1 then being a
-        shared memfd mapping; `tiered_kv.io.plane`), so the engine's interpreter lock never
-        paces them; "threads" (the tier's threads in this process); "auto" (the default):
-        processes where shared memory works (Linux), else threads. Workers start only when a
-        tier uses them (an L2 directory). A tier with a custom ``file_ops`` stays on threads.
+    io_plane: where L2 reads and writes, and ``tkv://`` GETs and PUTs, move their bytes:
+        "processes" (I/O worker processes that read and receive straight into L1 and write and
+        send straight from it, L1 then being a shared memfd mapping; each worker has its own
+        connection to a ``tkv://`` server; `tiered_kv.io.plane`), so the engine's interpreter
+        lock never paces them; "threads" (the tiers' threads in this process); "auto" (the
+        default): processes where shared memory works (Linux), else threads. Workers start
+        only when a tier uses them (an L2 directory, a ``tkv://`` store). A tier with a custom
+        ``file_ops`` stays on threads; Redis and Mooncake keep their own clients.
     io_workers: reader processes of the "processes" plane; None sizes them from the machine
         (one per core, 2 to 16). Writers are a quarter as many, 2 to 4.
     prefetch_policy: what retrieve does with chunks still loading: "best_effort" (use what is
