@@ -216,12 +216,7 @@ class WorkerPlane:
             "read",
             (path, header_len, payload_len, extents, stripe_bytes, stamp_ns, first, last),
         )
-        try:
-            answer = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            await self._until_done(worker, future)
-            raise
-        return ChunkBytes(*answer)  # type: ignore[arg-type]
+        return ChunkBytes(*await self._answer(worker, future))  # type: ignore[arg-type]
 
     def submit_write(
         self,
@@ -282,12 +277,7 @@ class WorkerPlane:
             ),
             kind="get",
         )
-        try:
-            answer = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            await self._until_done(worker, future)
-            raise
-        return ChunkBytes(*answer)  # type: ignore[arg-type]
+        return ChunkBytes(*await self._answer(worker, future))  # type: ignore[arg-type]
 
     def submit_remote_put(
         self,
@@ -309,6 +299,16 @@ class WorkerPlane:
             kind="put",
         )
         return PlaneWrite(future, functools.partial(self._until_done, worker, future))
+
+    async def _answer(
+        self, worker: _Worker, future: asyncio.Future[tuple[object, ...]]
+    ) -> tuple[object, ...]:
+        """``future``'s answer; cancelled: returns once its job no longer runs (`_until_done`)."""
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await self._until_done(worker, future)
+            raise
 
     def _submit(
         self, role: Role, job: tuple[object, ...], kind: str | None = None

@@ -341,6 +341,17 @@ def _endpoint(endpoints: dict[tuple[str, int], Endpoint], job: tuple[Any, ...]) 
     return endpoint
 
 
+def _by_endpoint(
+    jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
+) -> list[tuple[Endpoint, list[tuple[Any, ...]]]]:
+    """``jobs`` grouped by the server they go to, in order."""
+    groups: dict[int, tuple[Endpoint, list[tuple[Any, ...]]]] = {}
+    for job in jobs:
+        endpoint = _endpoint(endpoints, job)
+        groups.setdefault(id(endpoint), (endpoint, []))[1].append(job)
+    return list(groups.values())
+
+
 def remote_gets(
     arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
 ) -> dict[int, tuple[object, ...]]:
@@ -351,11 +362,7 @@ def remote_gets(
     ``"mismatch"`` for a frame of another length, left unread); any connection error fails
     that endpoint's jobs still unanswered and closes the connection."""
     answers: dict[int, tuple[object, ...]] = {}
-    by_endpoint: dict[int, list[tuple[Any, ...]]] = {}
-    for job in jobs:
-        by_endpoint.setdefault(id(_endpoint(endpoints, job)), []).append(job)
-    for group in by_endpoint.values():
-        endpoint = _endpoint(endpoints, group[0])
+    for endpoint, group in _by_endpoint(jobs, endpoints):
         current: tuple[Any, ...] | None = None
         try:
             endpoint.connect(group[0][10])
@@ -416,11 +423,7 @@ def remote_puts(
     stripe_bytes, timeout)``: each payload hashed, its header sealed (as `write_chunk` does),
     the frame sent; all of one endpoint sent, then the answers read. Answers as a write's."""
     answers: dict[int, tuple[object, ...]] = {}
-    by_endpoint: dict[int, list[tuple[Any, ...]]] = {}
-    for job in jobs:
-        by_endpoint.setdefault(id(_endpoint(endpoints, job)), []).append(job)
-    for group in by_endpoint.values():
-        endpoint = _endpoint(endpoints, group[0])
+    for endpoint, group in _by_endpoint(jobs, endpoints):
         sent = []
         try:
             endpoint.connect(group[0][10])

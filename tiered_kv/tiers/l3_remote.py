@@ -309,9 +309,7 @@ class RemoteTier(LowerTier):
             async with asyncio.timeout(self.timeout_s):
                 status = await self.connector.get_into(key, sink)
         except Exception as exc:  # tier boundary: a miss
-            self._counters["read_failures"] += 1
-            self._counters["misses"] += 1
-            self._failed("get", key, exc)
+            self._read_failed(key, exc)
             return False
         finally:
             self._read_seconds += time.perf_counter() - started
@@ -355,9 +353,7 @@ class RemoteTier(LowerTier):
             if answer.status == "error":
                 raise RemoteError(answer.detail)
         except Exception as exc:  # tier boundary: a miss
-            self._counters["read_failures"] += 1
-            self._counters["misses"] += 1
-            self._failed("get", key, exc)
+            self._read_failed(key, exc)
             return False
         finally:
             self._read_seconds += time.perf_counter() - started
@@ -373,6 +369,11 @@ class RemoteTier(LowerTier):
             key_bytes, obj.num_tokens, specs, answer.header, answer.file_size, answer.digests
         )
         return await self._judged(key, problem, answer.file_size)
+
+    def _read_failed(self, key: ChunkKey, exc: Exception) -> None:
+        self._counters["read_failures"] += 1
+        self._counters["misses"] += 1
+        self._failed("get", key, exc)
 
     async def _judged(self, key: ChunkKey, problem: str | None, frame_len: int) -> bool:
         """Count a received frame by ``problem`` (`_verify`'s verdict); True for a hit."""
