@@ -228,6 +228,33 @@ async def test_a_prompt_larger_than_l1_streams_through_it_to_l2(
         assert caches.bytes_equal(expected)
 
 
+async def test_a_32k_prompt_is_stored_whole_through_a_64_mib_l1(tmp_path: Path) -> None:
+    """The issue's case: 32768 tokens of 2 MiB chunks (256 MiB of KV) through a 64 MiB L1.
+    Every chunk reaches L2 (none skipped, no write dropped), and the whole prompt reads back
+    bit-exact into its poisoned blocks."""
+    caches = make_caches(
+        "vllm_nhd", torch.bfloat16, num_layers=4, num_blocks=2049, num_heads=8, head_size=64
+    )
+    tokens = list(range(100_000, 100_000 + 32768))
+    blocks = list(range(1, 2049))
+    config = _config(
+        chunk_size=256, l1_size="64MiB", l2_path=str(tmp_path / "l2"), l2_durability="none"
+    )
+    async with TieredKVEngine(config) as engine:
+        engine.register_kv_caches(caches.entries, model_name="m", layout_hints=caches.hints)
+        assert await engine.store(tokens, blocks) == 32768
+        assert await engine.flush(timeout=60) == 0
+        stats = engine.stats()
+        assert stats.engine.store_skipped_no_space == 0
+        writes = stats.storage.tiers[0].writes
+        assert writes is not None and (writes.done, writes.dropped_full) == (128, 0)
+        assert stats.tier("L2").entries == 128
+        reference = caches.snapshot()
+        poison_blocks(caches, blocks)
+        assert (await engine.retrieve(tokens, blocks)).valid_tokens == 32768
+        assert caches.bytes_equal(reference)
+
+
 @pytest.mark.parametrize("how", ["no lower tier", "store_wait_s=0", "writes too slow"])
 async def test_a_prompt_larger_than_l1_keeps_what_fits_when_nothing_below_frees_room(
     how: str,
