@@ -320,18 +320,18 @@ class TieredKVEngine:
             # Each window is what L1 and the write_through queues take now (a dropped write of
             # a streamed chunk would lose it when the next window evicts it); lower-tier writes
             # free room for the next.
+            desc = request.layout.layout_desc
             while True:
-                staged, stopped = self._stage(runtime, request, first=first)
-                truncated = False  # by the write queues' room
                 waiting = waiting and not storage.writes_stalled
+                room = None  # chunks the write queues take now (staging stops there)
                 if waiting:
-                    room = storage.write_room([transfer.obj.nbytes for _, transfer in staged])
-                    if room < len(staged):
-                        truncated = True
-                        staged, spare = staged[:room], staged[room:]
-                        stopped = spare[0][1].token_start // self.config.chunk_size
-                        for _, transfer in spare:
-                            transfer.obj.unref()
+                    sizes = [
+                        desc.nbytes(request.chunk_tokens(index))
+                        for index in range(first, len(request.keys))
+                    ]
+                    room = storage.write_room(sizes)
+                staged, stopped = self._stage(runtime, request, first=first, limit=room)
+                truncated = room is not None and len(staged) == room and stopped is not None
                 stored += await self._store_window(runtime, request, ids, staged)
                 if stopped is None:
                     break
@@ -733,10 +733,11 @@ class TieredKVEngine:
         request: Request,
         *,
         first: int = 0,
+        limit: int | None = None,
     ) -> tuple[list[tuple[ChunkKey, ChunkTransfer]], int | None]:
         """Allocate L1 objects for the chunks from ``first`` on that no tier holds, in order,
-        until L1 is full. Returns them (the caller owns them) and the index of the first chunk
-        left out (None when none was)."""
+        until L1 is full or ``limit`` are staged. Returns them (the caller owns them) and the
+        index of the first chunk left out (None when none was)."""
         storage = runtime.storage
         staged: list[tuple[ChunkKey, ChunkTransfer]] = []
         desc = request.layout.layout_desc
@@ -747,6 +748,8 @@ class TieredKVEngine:
                 if storage.tier_of(key) is not None:
                     self._counters.store_skipped_present += 1
                     continue
+                if limit is not None and len(staged) == limit:
+                    return staged, index
                 obj = storage.allocate(desc, request.chunk_tokens(index))
                 if obj is None:
                     return staged, index
