@@ -1,5 +1,6 @@
-"""`WorkerPlane`: L2 reads and writes in worker processes, straight into and out of the shared
-L1 arena.
+"""`WorkerPlane`: L2 reads and writes, and ``tkv://`` GETs and PUTs, in worker processes,
+straight into and out of the shared L1 arena (each worker holds its own connection to a
+``tkv://`` server).
 
 Owns the worker processes (`tiered_kv/io/worker.py`, started by path with ``python -I``: they
 import no tiered_kv and no torch, and hold no CUDA state; fork + exec, never a bare fork), one
@@ -19,7 +20,7 @@ returned, and none is read after its write returned. Workers die with the engine
 (``PR_SET_PDEATHSIG``, and their socket's EOF).
 
 Must not: judge the bytes (the tier checks the header and compares the digests), or know about
-tiers. Threads: loop-only.
+tiers or keys (a key is opaque bytes here). Threads: loop-only.
 """
 
 from __future__ import annotations
