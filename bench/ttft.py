@@ -23,8 +23,9 @@ the request's arrival (before ``lookup``) to the first token's logits on the hos
 - L1: ``retrieve`` then the prefill of the rest ("whole"), and ``retrieve_layerwise`` with the
   prefill waiting per layer ("layerwise");
 - L2 after a restart: a new engine on the same ``l2_path`` with an empty L1 (``lookup``
-  answers, then ``retrieve`` reads what L1 lacks); "warm" reads hit the page cache (files just written),
-  "cold" ones follow ``posix_fadvise(DONTNEED)`` on every L2 file (the device's local disk);
+  answers, then ``retrieve`` reads what L1 lacks); "warm" reads hit the page cache (files just
+  written), "cold" ones follow ``posix_fadvise(DONTNEED)`` on every L2 file (the device's local
+  disk);
 - L3: ``tiered-kv serve`` in its own process on loopback, an engine with only L1 (empty) + L3;
 - the prefill's slowdown while a layerwise store copies each layer out (``save_layer``).
 
