@@ -321,15 +321,12 @@ class TieredKVEngine:
             # a streamed chunk would lose it when the next window evicts it); lower-tier writes
             # free room for the next.
             desc = request.layout.layout_desc
+            sizes = [desc.nbytes(request.chunk_tokens(i)) for i in range(len(request.keys))]
             while True:
                 waiting = waiting and not storage.writes_stalled
                 room = None  # chunks the write queues take now (staging stops there)
                 if waiting:
-                    sizes = [
-                        desc.nbytes(request.chunk_tokens(index))
-                        for index in range(first, len(request.keys))
-                    ]
-                    room = storage.write_room(sizes)
+                    room = storage.write_room(sizes[first:])
                 staged, stopped = self._stage(runtime, request, first=first, limit=room)
                 truncated = room is not None and len(staged) == room and stopped is not None
                 stored += await self._store_window(runtime, request, ids, staged)

@@ -26,7 +26,7 @@ import heapq
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 
 from tiered_kv.errors import TieredKVError
@@ -104,7 +104,7 @@ class SimResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _served(request: TraceRequest, held: collections.abc.Container[int], block_tokens: int) -> int:
+def _served(request: TraceRequest, held: Container[int], block_tokens: int) -> int:
     """Tokens of the longest leading run of ``request``'s blocks in ``held``."""
     served = 0
     for block, tokens in zip(

@@ -98,6 +98,19 @@ def _pieces(
     return pieces
 
 
+def _has_room(header: bytearray, checksums_at: int, stripes: int) -> bool:
+    """Whether a header template holds ``stripes`` checksums and then its own checksum."""
+    return len(header) == checksums_at + 8 * stripes + 8
+
+
+def _seal(header: bytearray, checksums_at: int, digests: list[int]) -> None:
+    """`tiered_kv.codec.seal_header` in place: the stripes' checksums, then the header's."""
+    struct.pack_into(f"<{len(digests)}Q", header, checksums_at, *digests)
+    checked_end = len(header) - 8
+    digest = xxhash.xxh3_64_intdigest(memoryview(header)[:checked_end])
+    struct.pack_into("<Q", header, checked_end, digest)
+
+
 def read_chunk(arena: memoryview, job: tuple[Any, ...]) -> tuple[object, ...]:
     _, job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns, first, last = job
     try:
@@ -194,7 +207,7 @@ def write_chunk(arena: memoryview, job: tuple[Any, ...]) -> tuple[object, ...]:
     header = bytearray(template)
     payload_len = sum(length for _, length in extents)
     stripes = -(-payload_len // stripe_bytes)
-    if len(header) != checksums_at + 8 * stripes + 8:
+    if not _has_room(header, checksums_at, stripes):
         return (job_id, "error", 0, f"the header has no room for {stripes} stripe checksums", None)
     try:
         fd = _create(temp, fsync)
@@ -211,10 +224,7 @@ def write_chunk(arena: memoryview, job: tuple[Any, ...]) -> tuple[object, ...]:
                         state.update(piece)
                     _write_all(fd, pieces, len(header) + piece_start)
                 digests.append(state.intdigest())
-            struct.pack_into(f"<{len(digests)}Q", header, checksums_at, *digests)
-            checked_end = len(header) - 8
-            digest = xxhash.xxh3_64_intdigest(memoryview(header)[:checked_end])
-            struct.pack_into("<Q", header, checked_end, digest)
+            _seal(header, checksums_at, digests)
             _write_all(fd, [memoryview(header)], 0)
             os.utime(fd, ns=(stamp_ns, stamp_ns))
             if fsync:
@@ -470,7 +480,7 @@ def _sealed(
     header = bytearray(template)
     payload_len = sum(length for _, length in extents)
     stripes = -(-payload_len // stripe_bytes)
-    if len(header) != checksums_at + 8 * stripes + 8:
+    if not _has_room(header, checksums_at, stripes):
         return None
     digests = []
     for start in range(0, payload_len, stripe_bytes):
@@ -478,11 +488,7 @@ def _sealed(
         for piece in _pieces(arena, extents, start, min(start + stripe_bytes, payload_len)):
             state.update(piece)
         digests.append(state.intdigest())
-    struct.pack_into(f"<{stripes}Q", header, checksums_at, *digests)
-    checked_end = len(header) - 8
-    struct.pack_into(
-        "<Q", header, checked_end, xxhash.xxh3_64_intdigest(memoryview(header)[:checked_end])
-    )
+    _seal(header, checksums_at, digests)
     return header
 
 
