@@ -38,11 +38,13 @@ LoadPolicy = Literal["cost", "always"]
 WritePolicy = Literal["write_through", "write_back", "selective"]
 L2Durability = Literal["none", "batched", "per_write"]
 IoPlane = Literal["auto", "threads", "processes"]
+Eviction = Literal["lru", "reuse"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 LOAD_POLICIES: tuple[LoadPolicy, ...] = get_args(LoadPolicy)
 WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
 L2_DURABILITIES: tuple[L2Durability, ...] = get_args(L2Durability)
 IO_PLANES: tuple[IoPlane, ...] = get_args(IoPlane)
+EVICTIONS: tuple[Eviction, ...] = get_args(Eviction)
 _INT_FIELDS = (
     "chunk_size",
     "lower_write_queue",
@@ -140,6 +142,8 @@ class EngineConfig:
         may lose the chunks written since the last sync and never serves a torn one
         (docs/architecture.md, "L2 disk tier").
     l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
+    l1_eviction, l2_eviction: which chunks L1 and L2 let go when full (docs/eviction.md):
+        "lru" (least recently used) or "reuse" (admission and eviction by observed reuse).
     io_plane: where L2 reads and writes, and ``tkv://`` GETs and PUTs, move their bytes:
         "processes" (I/O worker processes that read and receive straight into L1 and write and
         send straight from it, L1 then being a shared memfd mapping; each worker has its own
@@ -199,6 +203,8 @@ class EngineConfig:
     l2_durability: L2Durability = "batched"
     l2_sync_interval_s: float = 0.1
     io_plane: IoPlane = "auto"
+    l1_eviction: Eviction = "lru"
+    l2_eviction: Eviction = "lru"
     io_workers: int | None = None
     prefetch_policy: PrefetchPolicy = "wait_complete"
     prefetch_timeout_base_s: float = 0.005
@@ -248,6 +254,11 @@ class EngineConfig:
             raise ConfigError(f"lower_write_queue: must be >= 1, got {value}")
 
     def _validate_policies(self) -> None:
+        for name in ("l1_eviction", "l2_eviction"):
+            if getattr(self, name) not in EVICTIONS:
+                raise ConfigError(
+                    f"{name}: expected one of {EVICTIONS}, got {getattr(self, name)!r}"
+                )
         if self.io_plane not in IO_PLANES:
             raise ConfigError(f"io_plane: expected one of {IO_PLANES}, got {self.io_plane!r}")
         if self.l2_durability not in L2_DURABILITIES:
