@@ -342,6 +342,7 @@ class TieredKVEngine:
                 first = stopped
         finally:
             self._counters.stored_tokens += stored
+            storage.note_use(request.keys)
         return stored
 
     async def _store_window(
@@ -714,13 +715,16 @@ class TieredKVEngine:
             request.layout,
             ids,
             staged,
-            on_end=functools.partial(self._layerwise_store_ended, runtime),
+            on_end=functools.partial(self._layerwise_store_ended, runtime, request.keys),
         )
         runtime.layerwise_stores.add(store)
         return store
 
-    def _layerwise_store_ended(self, runtime: EngineRuntime, store: LayerwiseStore) -> None:
+    def _layerwise_store_ended(
+        self, runtime: EngineRuntime, keys: Sequence[ChunkKey], store: LayerwiseStore
+    ) -> None:
         runtime.layerwise_stores.discard(store)
+        runtime.storage.note_use(keys)
         self._counters.stored_chunks += store.stored_chunks
         self._counters.stored_tokens += store.stored_tokens
 

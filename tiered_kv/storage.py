@@ -424,6 +424,13 @@ class StorageManager:
                 self._enqueue(wq, key, obj)
         return True
 
+    def note_use(self, keys: Sequence[ChunkKey]) -> None:
+        """One request's chunk keys in prompt order (its store ended): the reuse the tiers'
+        eviction orders count (`tiered_kv.eviction`), held or not."""
+        self.l1.use(keys)
+        for tier in self.lower:
+            tier.use(keys)
+
     def write_room(self, sizes: Sequence[int]) -> int:
         """How many of the next chunks to commit, of ``sizes`` bytes each, every write_through
         queue takes now without dropping a write."""

@@ -30,6 +30,7 @@ from collections.abc import Container, Sequence
 from pathlib import Path
 
 from tiered_kv.errors import TieredKVError
+from tiered_kv.eviction import EvictionOrder, make_order
 
 BLOCK_TOKENS = 512  # Mooncake's traces: 512-token blocks
 
@@ -167,6 +168,37 @@ def simulate_belady(
             cache[block] = use
             heapq.heappush(farthest, (-use, block))
     return SimResult("Belady", capacity, prompt, hits)
+
+
+def simulate_order(
+    requests: Sequence[TraceRequest],
+    capacity: int,
+    policy: str,
+    block_tokens: int = BLOCK_TOKENS,
+) -> SimResult:
+    """A cache of ``capacity`` blocks evicting by the engine's own order ``policy``
+    (`tiered_kv.eviction`), told what the engine tells it: the served blocks are read
+    (``touch``), the missing ones stored (``insert``, evicting to make room as each comes in),
+    then the request's blocks are reported (``use``)."""
+    order: EvictionOrder[int] = make_order(policy)
+    prompt = hits = 0
+    for request in requests:
+        prompt += request.input_length
+        served = _served(request, order, block_tokens)
+        hits += served
+        held = -(-served // block_tokens)
+        partial = request.input_length % block_tokens != 0
+        for index, block in enumerate(request.hash_ids):
+            if index < held:
+                order.touch(block)
+                continue
+            if block in order or capacity < 1:
+                continue
+            while len(order) >= capacity:
+                order.remove(next(order.victims()))
+            order.insert(block, partial=partial and index == len(request.hash_ids) - 1)
+        order.use(request.hash_ids)
+    return SimResult(policy, capacity, prompt, hits)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -178,6 +178,11 @@ class LowerTier(abc.ABC):
         ignored). Keys the tier does not hold are skipped. The default does nothing."""
         return None
 
+    def use(self, keys: Sequence[ChunkKey]) -> None:
+        """One request's chunk keys in prompt order, held here or not (`EvictionOrder.use`):
+        the reuse an eviction policy counts. Never I/O. The default does nothing."""
+        return None
+
     @abc.abstractmethod
     async def remove(self, key: ChunkKey) -> bool:
         """Drop ``key``; True when it was present."""

@@ -86,6 +86,8 @@ def lower_tiers(config: EngineConfig) -> list[LowerTier]:
                 durability=config.l2_durability,
                 sync_interval_s=config.l2_sync_interval_s,
                 io_threads=config.l2_io_threads,
+                eviction=config.l2_eviction,
+                chunk_tokens=config.chunk_size,
             )
         )
     if config.l3_url is not None:

@@ -1,4 +1,5 @@
-"""`L1Tier`: committed chunks in the host arena, LRU over the unreferenced ones.
+"""`L1Tier`: committed chunks in the host arena, evicted in its order (`tiered_kv.eviction`:
+LRU or reuse) among the unreferenced ones.
 
 Owns the mapping key → `MemoryObj` and eviction. Staged objects (allocated, being filled) are
 invisible until `commit`. The tier holds one reference to each committed object; readers and
@@ -13,9 +14,9 @@ False): the entry then stays, so evicted data is never lost when its demotion ca
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from tiered_kv.eviction import EvictionOrder, make_order
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import MemoryLayoutDesc
 from tiered_kv.memory import HostArena, MemoryObj
@@ -37,16 +38,34 @@ class L1Stats:
     allocation_failures: int
     dirty: int  # waiting for a write_back demotion
     evictions_refused: int  # by the eviction hook (a full write_back queue)
+    # The eviction order's counters (`EvictionStats`).
+    keys_reused: int = 0
+    keys_first: int = 0
+    keys_partial: int = 0
+    history_keys: int = 0
+    promotions: int = 0
+    returns: int = 0
 
 
 class L1Tier:
     name = "L1"
 
-    def __init__(self, arena: HostArena, *, on_evict: EvictHook | None = None) -> None:
+    def __init__(
+        self,
+        arena: HostArena,
+        *,
+        on_evict: EvictHook | None = None,
+        eviction: str = "lru",
+        chunk_tokens: int | None = None,
+    ) -> None:
+        """``eviction``: the order's name (`tiered_kv.eviction.make_order`); ``chunk_tokens``:
+        the engine's chunk size, so that a prompt's shorter last chunk is known as such."""
         self.arena = arena
         self.on_evict = on_evict
         self.events: TierEventLog | None = None  # set while someone listens (`TierEventLog`)
-        self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
+        self._entries: dict[ChunkKey, MemoryObj] = {}
+        self.order: EvictionOrder[ChunkKey] = make_order(eviction)
+        self.chunk_tokens = chunk_tokens
         self._bytes = 0
         self._dirty: set[ChunkKey] = set()
         self.hits = 0
@@ -56,7 +75,7 @@ class L1Tier:
         self.evictions_refused = 0
 
     def allocate(self, layout: MemoryLayoutDesc, num_tokens: int) -> MemoryObj | None:
-        """A staging object (one reference, the caller's), evicting LRU entries to make room.
+        """A staging object (one reference, the caller's), evicting entries to make room.
 
         None when even evicting every unreferenced entry leaves no run large enough.
         """
@@ -77,6 +96,8 @@ class L1Tier:
             return False
         self._entries[key] = obj.ref()
         self._bytes += obj.nbytes
+        partial = self.chunk_tokens is not None and obj.num_tokens < self.chunk_tokens
+        self.order.insert(key, partial=partial)
         if self.events is not None:
             self.events.emit("stored", self.name, key, obj.num_tokens)
         return True
@@ -87,7 +108,7 @@ class L1Tier:
         if obj is None:
             self.misses += 1
             return None
-        self._entries.move_to_end(key)
+        self.order.touch(key)
         self.hits += 1
         return obj.ref()
 
@@ -95,7 +116,7 @@ class L1Tier:
         return key in self._entries
 
     def peek(self, key: ChunkKey) -> MemoryObj | None:
-        """The committed object without a reference, hit counting or LRU update."""
+        """The committed object without a reference, hit counting or recency update."""
         return self._entries.get(key)
 
     def mark_dirty(self, key: ChunkKey) -> None:
@@ -110,16 +131,19 @@ class L1Tier:
         return key in self._dirty
 
     def dirty_keys(self) -> list[ChunkKey]:
-        """Dirty keys, least recently used first."""
-        return [key for key in self._entries if key in self._dirty]
+        """Dirty keys, first to be evicted first."""
+        return [key for key in self.order.victims() if key in self._dirty]
 
     @property
     def bytes_used(self) -> int:
         return self._bytes
 
     def touch(self, key: ChunkKey) -> None:
-        if key in self._entries:
-            self._entries.move_to_end(key)
+        self.order.touch(key)
+
+    def use(self, keys: Sequence[ChunkKey]) -> None:
+        """One request's chunk keys in prompt order, held here or not (`EvictionOrder.use`)."""
+        self.order.use(keys)
 
     def remove(self, key: ChunkKey) -> bool:
         """Drop the tier's reference; readers keep theirs until they are done."""
@@ -128,13 +152,15 @@ class L1Tier:
             return False
         self._bytes -= obj.nbytes
         self._dirty.discard(key)
+        self.order.remove(key)
         obj.unref()
         if self.events is not None:
             self.events.emit("removed", self.name, key)
         return True
 
     def evict_unreferenced(self, max_bytes: int | None = None) -> int:
-        """Evict LRU entries nobody else references, up to ``max_bytes``; returns bytes freed."""
+        """Evict entries nobody else references, in order, up to ``max_bytes``; returns bytes
+        freed."""
         freed = 0
         for key in self._candidates():
             if max_bytes is not None and freed >= max_bytes:
@@ -150,17 +176,18 @@ class L1Tier:
             self.remove(key)
 
     def _candidates(self) -> list[ChunkKey]:
-        """Unreferenced entries in eviction order: clean LRU first, then dirty LRU."""
-        idle = [k for k, o in self._entries.items() if o.refcount == 1]
+        """Unreferenced entries in eviction order: clean ones first, then dirty ones."""
+        idle = [k for k in self.order.victims() if self._entries[k].refcount == 1]
         return [k for k in idle if k not in self._dirty] + [k for k in idle if k in self._dirty]
 
     def _evict_one(self) -> bool:
         # Clean entries first, then dirty ones; a refusal changes nothing, so iterating on is safe
         # (the hook must not change the tier), and a success returns at once.
         for want_dirty in (False, True):
-            for key, obj in self._entries.items():
+            for key in self.order.victims():
+                obj = self._entries[key]
                 if obj.refcount == 1 and (key in self._dirty) is want_dirty and self._evict(key):
-                    return True
+                    return True  # the order changed: stop walking it
         return False
 
     def _evict(self, key: ChunkKey) -> int:
@@ -184,4 +211,5 @@ class L1Tier:
             entries=len(self._entries),
             bytes_used=self._bytes,
             dirty=len(self._dirty),
+            **dataclasses.asdict(self.order.stats()),
         )

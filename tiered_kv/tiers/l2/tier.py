@@ -81,6 +81,7 @@ from tiered_kv.codec import (
 )
 from tiered_kv.config import L2_DURABILITIES, L2Durability
 from tiered_kv.errors import CodecError, ConfigError, EngineStateError, TieredKVError
+from tiered_kv.eviction import EvictionOrder, EvictionStats, make_order
 from tiered_kv.io.pagecache import cached_fraction
 from tiered_kv.io.plane import (
     READS_PER_WORKER,
@@ -146,6 +147,13 @@ class DiskStats(TierStats):
     unsynced_puts: int = 0  # puts not yet on the disk itself (durability "batched" / "none")
     write_seconds: float = 0.0  # sum of per-write latencies
     read_seconds: float = 0.0
+    # The eviction order's counters (`EvictionStats`).
+    keys_reused: int = 0
+    keys_first: int = 0
+    keys_partial: int = 0
+    history_keys: int = 0
+    promotions: int = 0
+    returns: int = 0
 
 
 # What the tier counts as events (the rest of DiskStats is measured when asked).
@@ -159,12 +167,14 @@ _COUNTERS = counter_fields(
         "unsynced_puts",
         "write_seconds",
         "read_seconds",
+        *(field.name for field in dataclasses.fields(EvictionStats)),
     ),
 )
 
 
 class DiskTier(LowerTier):
-    """L2 on a local directory, bounded by ``capacity`` bytes of files, LRU.
+    """L2 on a local directory, bounded by ``capacity`` bytes of files, evicting in the order
+    ``eviction`` names (`tiered_kv.eviction`: "lru" or "reuse").
 
     ``durability``: when writes reach the disk itself (`EngineConfig.l2_durability`):
     "batched" syncs the filesystem every ``sync_interval_s`` for all the writes since the last,
@@ -188,6 +198,8 @@ class DiskTier(LowerTier):
         limits: CodecLimits = DEFAULT_LIMITS,
         file_ops: FileOps = DEFAULT_FILE_OPS,
         io_threads: int | None = None,
+        eviction: str = "lru",
+        chunk_tokens: int | None = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(
@@ -217,7 +229,10 @@ class DiskTier(LowerTier):
         self._lock = DirectoryLock(self.root, file_ops)
         self._directory_sync = DirectorySyncer(file_ops)
         self._state = "new"
-        self._index: collections.OrderedDict[ChunkKey, Entry] = collections.OrderedDict()
+        self._index: dict[ChunkKey, Entry] = {}
+        # Which entry goes first (`tiered_kv.eviction`); holds exactly the index's keys.
+        self._order: EvictionOrder[ChunkKey] = make_order(eviction)
+        self._chunk_tokens = chunk_tokens
         self._bytes_used = 0
         self._reserved = 0
         # At most capacity; lower while the filesystem holds less (see the module docstring).
@@ -253,9 +268,10 @@ class DiskTier(LowerTier):
                 )
             except OSError as exc:
                 raise TieredKVError(f"L2 directory {self.root} is not usable: {exc}") from exc
+            # Oldest file first: the order starts as it ended, by last use (use counts are not
+            # on disk: every chunk found counts as used by one request).
             for key, entry, mtime_ns in rebuilt.entries:
-                self._index[key] = entry
-                self._bytes_used += entry.size
+                self._insert(key, entry)
                 self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
             self._counters["corrupt_removed"] += rebuilt.corrupt_removed
             victims = self._evict_until(lambda: self._bytes_used <= self.capacity)
@@ -263,8 +279,7 @@ class DiskTier(LowerTier):
                 await self._unlink_entries(victims)
         except BaseException:
             self._lock.release()
-            self._index.clear()
-            self._bytes_used = 0
+            self._clear_index()
             # A failed open may be tried again: its threads end, a new pool serves the retry.
             await self._write_pool.aclose()
             await self._read_pool.aclose()
@@ -319,8 +334,7 @@ class DiskTier(LowerTier):
         finally:
             await self._sync_pool.aclose()
         self._lock.release()
-        self._index.clear()
-        self._bytes_used = 0
+        self._clear_index()
         await self._write_pool.aclose()
         await self._read_pool.aclose()
 
@@ -380,8 +394,9 @@ class DiskTier(LowerTier):
         return self._read_cached.pop(key, None)
 
     def entries(self) -> list[tuple[ChunkKey, int, int]]:
-        """(key, num_tokens, file size) of every chunk, least recently used first."""
-        return [(key, e.num_tokens, e.size) for key, e in self._index.items()]
+        """(key, num_tokens, file size) of every chunk, first to be evicted first."""
+        index = self._index
+        return [(key, index[key].num_tokens, index[key].size) for key in self._order.victims()]
 
     def stats(self) -> DiskStats:
         return DiskStats(
@@ -394,6 +409,7 @@ class DiskTier(LowerTier):
             read_seconds=self._read_seconds,
             directory_syncs=self._directory_sync.calls,
             unsynced_puts=self._unsynced,
+            **dataclasses.asdict(self._order.stats()),
             **self._counters,
         )
 
@@ -418,10 +434,12 @@ class DiskTier(LowerTier):
         return self.root / name[:2] / name
 
     def _evict_until(self, fits: Callable[[], bool]) -> list[tuple[ChunkKey, Entry]]:
-        """Pop least recently used entries until ``fits()``; the caller unlinks them."""
+        """Pop entries, first to go first, until ``fits()``; the caller unlinks them."""
         victims = []
         while self._index and not fits():
-            key, entry = self._index.popitem(last=False)
+            key = next(self._order.victims())
+            entry = self._index.pop(key)
+            self._order.remove(key)
             self._bytes_used -= entry.size
             victims.append((key, entry))
         self._counters["evictions"] += len(victims)
@@ -432,6 +450,7 @@ class DiskTier(LowerTier):
         if self._index.get(key) is not entry:
             return False
         del self._index[key]
+        self._order.remove(key)
         self._bytes_used -= entry.size
         return True
 
@@ -461,7 +480,7 @@ class DiskTier(LowerTier):
         self._check_open("put")
         await self._wait_idle(key)
         if key in self._index:
-            self._index.move_to_end(key)
+            self._order.touch(key)
             return True
         if self._lock.lost:
             self._counters["put_failures"] += 1
@@ -644,8 +663,7 @@ class DiskTier(LowerTier):
                 self.root,
                 len(self._index),
             )
-        self._index.clear()
-        self._bytes_used = 0
+        self._clear_index()
 
     async def _forget_vanished_files(self) -> None:
         """The directory was recreated: drop the entries whose files went with the old one."""
@@ -660,7 +678,18 @@ class DiskTier(LowerTier):
 
     def _insert(self, key: ChunkKey, entry: Entry) -> None:
         self._index[key] = entry
+        partial = self._chunk_tokens is not None and entry.num_tokens < self._chunk_tokens
+        self._order.insert(key, partial=partial)
         self._bytes_used += entry.size
+
+    def _clear_index(self) -> None:
+        for key in self._index:
+            self._order.remove(key)
+        self._index.clear()
+        self._bytes_used = 0
+
+    def use(self, keys: Sequence[ChunkKey]) -> None:
+        self._order.use(keys)
 
     async def get_into(self, key: ChunkKey, obj: MemoryObj) -> bool:
         self._check_open("get_into")
@@ -712,7 +741,7 @@ class DiskTier(LowerTier):
                 if len(self._read_cached) > _READ_CACHED_KEPT:
                     self._read_cached.popitem(last=False)
             if self._index.get(key) is entry:
-                self._index.move_to_end(key)
+                self._order.touch(key)
             self._counters["hits"] += 1
             self._counters["bytes_read"] += entry.payload_len
             return True
@@ -807,7 +836,7 @@ class DiskTier(LowerTier):
             entry = self._index.get(key)
             if entry is None:
                 continue
-            self._index.move_to_end(key)
+            self._order.touch(key)
             stamps.append((entry.path, self._stamp()))
         if not stamps:
             return
@@ -825,6 +854,7 @@ class DiskTier(LowerTier):
         entry = self._index.pop(key, None)
         if entry is None:
             return False
+        self._order.remove(key)
         self._bytes_used -= entry.size
         await self._unlink_entries([(key, entry)])
         return True

@@ -1,0 +1,233 @@
+"""Which chunk a tier lets go first: `LRU` and `Reuse` (docs/eviction.md).
+
+A tier (L1 by bytes, L2 by bytes on disk) keeps its entries and asks its order which keys to
+evict, first to go first; it skips what it may not evict (a reader's reference, a dirty chunk)
+and asks again. The order hears what happens to the keys:
+
+- ``insert(key, partial=)``: a key became resident (``partial``: a prompt's last, shorter chunk);
+- ``touch(key)``: it was read or is about to be (recency only);
+- ``use(keys)``: one request's chunk keys, in prompt order, once per request
+  (`TieredKVEngine.store` reports them, resident or not): the reuse the policy counts;
+- ``remove(key)``: it left.
+
+`LRU` is least recently used first, as tiers always did (``use`` is a no-op: inserts and
+touches already ordered the keys).
+
+`Reuse` ranks by age scaled by how likely a chunk is to be used again. Traces of production
+traffic (Mooncake's FAST'25 release) show that a chunk seen by one request is used again far
+less often than one two requests have used (45% against 85% in the synthetic trace), and a
+prompt's last, shorter chunk almost never is (2%: the next turn of a conversation has a full
+chunk there, with another hash). So each key is in one of three classes, each an LRU list:
+
+- reused: two or more requests used it (counted through ``use``, resident or not: counts of
+  keys the tier does not hold are remembered, up to `HISTORY_FACTOR` times as many as it holds,
+  so a chunk that comes back after an eviction, or whose write lands after its use, is known);
+- first: fewer than two so far;
+- partial: the same, for a prompt's last, shorter chunk.
+
+A key's age is the number of ``use`` and ``touch`` events since its last; the victim is the head
+of the list with the largest age times the class weight (`WEIGHTS`: a first-seen chunk ages four
+times as fast as a reused one, a partial one sixteen times). Within one request, ``use`` renews
+the keys from the last chunk to the first, so a prompt's head is younger than its tail and the
+tail goes first: a chunk is worth nothing without the chunks before it.
+
+Pure Python with no I/O; loop-only like the tiers. `tiered_kv.benchmarks.trace_sim` replays
+traces through the same classes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Generic, Protocol, TypeVar
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.snapshot import snapshot
+
+K = TypeVar("K", bound=Hashable)
+
+REUSED, FIRST, PARTIAL = 0, 1, 2
+WEIGHTS = (1, 4, 16)  # age multipliers of the classes above
+HISTORY_FACTOR = 4  # use counts kept for up to this many times the resident keys
+HISTORY_MIN = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvictionStats:
+    """An order's counters, as tiers report them (fields of `L1Stats` and `DiskStats`)."""
+
+    keys_reused: int = 0  # resident keys per class (all in "reused" for LRU)
+    keys_first: int = 0
+    keys_partial: int = 0
+    history_keys: int = 0  # use counts remembered for keys no longer resident
+    promotions: int = 0  # keys that moved to "reused" on their second use
+    returns: int = 0  # keys inserted again whose earlier uses the history remembered
+
+
+class EvictionOrder(Protocol[K]):
+    name: str
+
+    def insert(self, key: K, *, partial: bool = False) -> None: ...
+    def touch(self, key: K) -> None: ...
+    def use(self, keys: Sequence[K]) -> None: ...
+    def remove(self, key: K) -> None: ...
+    def victims(self) -> Iterator[K]: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __len__(self) -> int: ...
+    def stats(self) -> EvictionStats: ...
+
+
+class LRU(Generic[K]):
+    """Least recently used first: inserts and touches make a key the most recent."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._keys: collections.OrderedDict[K, None] = collections.OrderedDict()
+
+    def insert(self, key: K, *, partial: bool = False) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+
+    def touch(self, key: K) -> None:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+
+    def use(self, keys: Sequence[K]) -> None:
+        pass
+
+    def remove(self, key: K) -> None:
+        self._keys.pop(key, None)
+
+    def victims(self) -> Iterator[K]:
+        return iter(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def stats(self) -> EvictionStats:
+        return EvictionStats(keys_reused=len(self._keys))
+
+
+class Reuse(Generic[K]):
+    """Age scaled by reuse class; see the module docstring."""
+
+    name = "reuse"
+
+    def __init__(self) -> None:
+        # Per class: key -> the clock at its last event, oldest first.
+        self._lists: tuple[collections.OrderedDict[K, int], ...] = tuple(
+            collections.OrderedDict() for _ in WEIGHTS
+        )
+        self._class: dict[K, int] = {}
+        self._uses: dict[K, int] = {}  # resident keys' use counts
+        self._history: collections.OrderedDict[K, int] = collections.OrderedDict()
+        self._clock = 0
+        self.promotions = 0
+        self.returns = 0
+
+    def insert(self, key: K, *, partial: bool = False) -> None:
+        if key in self._class:
+            self.touch(key)
+            return
+        uses = self._history.pop(key, 0)
+        if uses:
+            self.returns += 1
+        self._uses[key] = uses
+        self._place(key, REUSED if uses >= 2 else PARTIAL if partial else FIRST)
+
+    def touch(self, key: K) -> None:
+        cls = self._class.get(key)
+        if cls is not None:
+            del self._lists[cls][key]
+            self._place(key, cls)
+
+    def use(self, keys: Sequence[K]) -> None:
+        for key in reversed(keys):  # the tail first: the head ends youngest
+            cls = self._class.get(key)
+            if cls is None:  # not (yet) resident: a write still on its way, or not taken
+                self._remember(key, self._history.pop(key, 0) + 1)
+                continue
+            uses = self._uses[key] + 1
+            self._uses[key] = uses
+            del self._lists[cls][key]
+            if uses >= 2 and cls != REUSED:
+                self.promotions += 1
+                cls = REUSED
+            self._place(key, cls)
+
+    def remove(self, key: K) -> None:
+        cls = self._class.pop(key, None)
+        if cls is None:
+            return
+        del self._lists[cls][key]
+        self._remember(key, self._uses.pop(key))
+
+    def victims(self) -> Iterator[K]:
+        """Keys by scaled age, oldest first (a lazy merge of the class lists, each oldest
+        first; do not change the order while iterating)."""
+        now = self._clock
+
+        def scaled(entries: dict[K, int], weight: int) -> Iterator[tuple[int, K]]:
+            for key, stamp in entries.items():
+                yield (stamp - now) * weight, key
+
+        merged = heapq.merge(
+            *(
+                scaled(entries, weight)
+                for entries, weight in zip(self._lists, WEIGHTS, strict=True)
+            ),
+            key=lambda item: item[0],
+        )
+        return (key for _, key in merged)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._class
+
+    def __len__(self) -> int:
+        return len(self._class)
+
+    def stats(self) -> EvictionStats:
+        return snapshot(
+            EvictionStats,
+            self,
+            keys_reused=len(self._lists[REUSED]),
+            keys_first=len(self._lists[FIRST]),
+            keys_partial=len(self._lists[PARTIAL]),
+            history_keys=len(self._history),
+        )
+
+    def _place(self, key: K, cls: int) -> None:
+        self._clock += 1
+        self._class[key] = cls
+        self._lists[cls][key] = self._clock
+
+    def _remember(self, key: K, uses: int) -> None:
+        if not uses:
+            return
+        self._history[key] = uses
+        self._history.move_to_end(key)
+        limit = max(HISTORY_MIN, HISTORY_FACTOR * len(self._class))
+        while len(self._history) > limit:
+            self._history.popitem(last=False)
+
+
+def make_order(name: str) -> LRU[K] | Reuse[K]:
+    """The eviction order ``name`` ("lru" or "reuse"; `config.EVICTIONS`)."""
+    if name == "lru":
+        return LRU()
+    if name == "reuse":
+        return Reuse()
+    raise ConfigError(f"eviction: expected one of ('lru', 'reuse'), got {name!r}")
+
+
+def take(order: EvictionOrder[K], count: int, skip: Iterable[K] = ()) -> list[K]:
+    """The first ``count`` victims not in ``skip`` (a list: safe to evict while walking it)."""
+    skipped = set(skip)
+    return list(itertools.islice((k for k in order.victims() if k not in skipped), count))
