@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import itertools
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
@@ -170,22 +169,27 @@ class Reuse(Generic[K]):
         self._remember(key, self._uses.pop(key))
 
     def victims(self) -> Iterator[K]:
-        """Keys by scaled age, oldest first (a lazy merge of the class lists, each oldest
-        first; do not change the order while iterating)."""
+        """Keys by scaled age, oldest first: a merge of the class lists, each oldest first,
+        by hand (three heads compared per key: the first victim costs no set-up). Do not
+        change the order while iterating."""
         now = self._clock
-
-        def scaled(entries: dict[K, int], weight: int) -> Iterator[tuple[int, K]]:
-            for key, stamp in entries.items():
-                yield (stamp - now) * weight, key
-
-        merged = heapq.merge(
-            *(
-                scaled(entries, weight)
-                for entries, weight in zip(self._lists, WEIGHTS, strict=True)
-            ),
-            key=lambda item: item[0],
-        )
-        return (key for _, key in merged)
+        lists = [
+            (iter(entries.items()), weight)
+            for entries, weight in zip(self._lists, WEIGHTS, strict=True)
+        ]
+        heads: list[tuple[int, K, Iterator[tuple[K, int]], int]] = []
+        for entries, weight in lists:
+            for key, stamp in itertools.islice(entries, 1):
+                heads.append(((now - stamp) * weight, key, entries, weight))
+        while heads:
+            best = max(range(len(heads)), key=lambda i: heads[i][0])
+            _, key, entries, weight = heads[best]
+            yield key
+            for next_key, stamp in itertools.islice(entries, 1):
+                heads[best] = ((now - stamp) * weight, next_key, entries, weight)
+                break
+            else:
+                del heads[best]
 
     def __contains__(self, key: object) -> bool:
         return key in self._class
