@@ -494,3 +494,32 @@ L1StateMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestL1StateMachine = L1StateMachine.TestCase
+
+
+class L1ReuseStateMachine(L1StateMachine):
+    """The same model with the reuse order and requests reported through ``use``: it evicts
+    only unreferenced entries, and its order holds exactly the tier's keys."""
+
+    @initialize()
+    def setup(self) -> None:
+        super().setup()
+        self.tier = L1Tier(
+            self.arena, on_evict=self._on_evict, eviction="reuse", chunk_tokens=16
+        )
+
+    @rule(key_ids=st.lists(st.integers(0, NUM_KEYS - 1), max_size=5, unique=True))
+    def use(self, key_ids: list[int]) -> None:
+        self.tier.use([key(i) for i in key_ids])
+
+    @invariant()
+    def order_holds_the_keys(self) -> None:
+        if not hasattr(self, "tier"):
+            return
+        victims = list(self.tier.order.victims())
+        assert len(victims) == len(set(victims)) and set(victims) == set(self.present)
+        stats = self.tier.stats()
+        assert stats.keys_reused + stats.keys_first + stats.keys_partial == len(self.present)
+
+
+L1ReuseStateMachine.TestCase.settings = L1StateMachine.TestCase.settings
+TestL1ReuseStateMachine = L1ReuseStateMachine.TestCase
