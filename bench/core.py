@@ -48,6 +48,7 @@ from tiered_kv import EngineConfig, TieredKVEngine
 from tiered_kv.benchmarks.ceilings import drop_cached_pages
 from tiered_kv.benchmarks.progress import Progress, print_line
 from tiered_kv.codec import encoded_header_len
+from tiered_kv.config import EVICTIONS, Eviction
 from tiered_kv.gpu.base import ChunkTransfer, KVMover
 from tiered_kv.keys import ChunkKey, KeyScope, chunk_hashes, chunk_keys, token_bytes
 from tiered_kv.layout import GroupLayout, KVCacheLayout, MemoryLayoutDesc
@@ -220,13 +221,18 @@ def filesystem_of(path: Path) -> str:
 # -- 1. lookup ----------------------------------------------------------------------------------
 
 
-async def bench_lookup(params: Params, rows: list[Row], results: dict[str, Any]) -> None:
+async def bench_lookup(
+    params: Params, rows: list[Row], results: dict[str, Any], eviction: Eviction
+) -> None:
     log(f"[lookup] {LOOKUP_TOKENS} tokens, chunk_size {CHUNK_SIZE}: storing every chunk in L1")
     # 32 layers x [2, NB, 16, 1, 64] bf16: 2 MiB per chunk of lazily allocated, untouched arena.
     chunk_bytes = 32 * 2 * CHUNK_SIZE * 64 * 2
     num_chunks = LOOKUP_TOKENS // CHUNK_SIZE
     config = EngineConfig(
-        chunk_size=CHUNK_SIZE, l1_size=chunk_bytes * (num_chunks + 8), pin_memory=False
+        chunk_size=CHUNK_SIZE,
+        l1_size=chunk_bytes * (num_chunks + 8),
+        pin_memory=False,
+        l1_eviction=eviction,
     )
     tokens = torch.randint(0, 128_000, (LOOKUP_TOKENS,), generator=torch.Generator().manual_seed(1))
     inputs: dict[str, Any] = {
@@ -693,7 +699,11 @@ async def overhead_of(
 
 
 async def bench_overhead(
-    params: Params, rows: list[Row], results: dict[str, Any], force_profile: bool
+    params: Params,
+    rows: list[Row],
+    results: dict[str, Any],
+    force_profile: bool,
+    eviction: Eviction,
 ) -> None:
     num_tokens = PROMPT_CHUNKS * CHUNK_SIZE
     num_blocks = 16
@@ -703,7 +713,9 @@ async def bench_overhead(
         f"[overhead] store/retrieve of {PROMPT_CHUNKS}-chunk prompts ({num_tokens} tokens), "
         "NullMover, L1 only, 32 layers x [2, NB, 16, 8, 128] bf16"
     )
-    config = EngineConfig(chunk_size=CHUNK_SIZE, l1_size="2GiB", pin_memory=False)
+    config = EngineConfig(
+        chunk_size=CHUNK_SIZE, l1_size="2GiB", pin_memory=False, l1_eviction=eviction
+    )
     block_ids = block_ids_for(num_tokens, num_blocks)
     prompt_count = params.overhead_warmup + params.overhead_reps + PROFILE_CALLS + 1
     results["overhead"]["profiles"] = {}
@@ -775,14 +787,16 @@ def print_table(rows: Sequence[Row]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
 
 
-async def run(params: Params, workdir: Path, results: dict[str, Any], profile: bool) -> list[Row]:
+async def run(
+    params: Params, workdir: Path, results: dict[str, Any], profile: bool, eviction: Eviction
+) -> list[Row]:
     rows: list[Row] = []
     progress = Progress(3, "core", plain_lines=3)
-    await bench_lookup(params, rows, results)
+    await bench_lookup(params, rows, results, eviction)
     progress.advance("lookup")
     await bench_l2(params, workdir, rows, results)
     progress.advance("L2")
-    await bench_overhead(params, rows, results, profile)
+    await bench_overhead(params, rows, results, profile, eviction)
     progress.advance("CPU overhead")
     return rows
 
@@ -801,6 +815,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--profile",
         action="store_true",
         help="print cProfile summaries of store/retrieve (always done when they miss the target)",
+    )
+    parser.add_argument(
+        "--eviction", choices=EVICTIONS, default="lru", help="L1's eviction order (%(default)s)"
     )
     args = parser.parse_args(argv)
     params = Params.for_mode(args.quick)
@@ -826,7 +843,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = new_event_loop()
         log(f"event loop {type(loop).__module__}.{type(loop).__name__}")
         try:
-            rows = loop.run_until_complete(run(params, workdir, results, args.profile))
+            rows = loop.run_until_complete(
+                run(params, workdir, results, args.profile, args.eviction)
+            )
         finally:
             loop.close()
     finally:

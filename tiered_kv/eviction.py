@@ -41,7 +41,7 @@ import collections
 import dataclasses
 import itertools
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.snapshot import snapshot
@@ -124,78 +124,87 @@ class Reuse(Generic[K]):
         self._lists: tuple[collections.OrderedDict[K, int], ...] = tuple(
             collections.OrderedDict() for _ in WEIGHTS
         )
-        self._class: dict[K, int] = {}
-        self._uses: dict[K, int] = {}  # resident keys' use counts
+        # Resident keys: uses * 4 + class (one dict: every key hash is a Python call).
+        self._state: dict[K, int] = {}
         self._history: collections.OrderedDict[K, int] = collections.OrderedDict()
         self._clock = 0
         self.promotions = 0
         self.returns = 0
 
     def insert(self, key: K, *, partial: bool = False) -> None:
-        if key in self._class:
+        if key in self._state:
             self.touch(key)
             return
         uses = self._history.pop(key, 0)
         if uses:
             self.returns += 1
-        self._uses[key] = uses
-        self._place(key, REUSED if uses >= 2 else PARTIAL if partial else FIRST)
+        cls = REUSED if uses >= 2 else PARTIAL if partial else FIRST
+        self._state[key] = uses * 4 + cls
+        self._clock += 1
+        self._lists[cls][key] = self._clock
 
     def touch(self, key: K) -> None:
-        cls = self._class.get(key)
-        if cls is not None:
-            del self._lists[cls][key]
-            self._place(key, cls)
+        state = self._state.get(key)
+        if state is not None:
+            entries = self._lists[state & 3]
+            entries.move_to_end(key)
+            self._clock += 1
+            entries[key] = self._clock
 
     def use(self, keys: Sequence[K]) -> None:
+        states, lists = self._state, self._lists
         for key in reversed(keys):  # the tail first: the head ends youngest
-            cls = self._class.get(key)
-            if cls is None:  # not (yet) resident: a write still on its way, or not taken
+            state = states.get(key)
+            if state is None:  # not (yet) resident: a write still on its way, or not taken
                 self._remember(key, self._history.pop(key, 0) + 1)
                 continue
-            uses = self._uses[key] + 1
-            self._uses[key] = uses
-            del self._lists[cls][key]
-            if uses >= 2 and cls != REUSED:
+            state += 4
+            cls = state & 3
+            self._clock += 1
+            if state >= 8 and cls != REUSED:  # a second use: reused from now on
                 self.promotions += 1
-                cls = REUSED
-            self._place(key, cls)
+                del lists[cls][key]
+                state -= cls
+                lists[REUSED][key] = self._clock
+            else:
+                entries = lists[cls]
+                entries.move_to_end(key)
+                entries[key] = self._clock
+            states[key] = state
 
     def remove(self, key: K) -> None:
-        cls = self._class.pop(key, None)
-        if cls is None:
+        state = self._state.pop(key, None)
+        if state is None:
             return
-        del self._lists[cls][key]
-        self._remember(key, self._uses.pop(key))
+        del self._lists[state & 3][key]
+        self._remember(key, state >> 2)
 
     def victims(self) -> Iterator[K]:
         """Keys by scaled age, oldest first: a merge of the class lists, each oldest first,
-        by hand (three heads compared per key: the first victim costs no set-up). Do not
-        change the order while iterating."""
+        by hand (the heads compared per key: the first victim costs no set-up). Do not change
+        the order while iterating."""
         now = self._clock
-        lists = [
-            (iter(entries.items()), weight)
-            for entries, weight in zip(self._lists, WEIGHTS, strict=True)
-        ]
-        heads: list[tuple[int, K, Iterator[tuple[K, int]], int]] = []
-        for entries, weight in lists:
-            for key, stamp in itertools.islice(entries, 1):
-                heads.append(((now - stamp) * weight, key, entries, weight))
+        heads: list[list[Any]] = []  # [scaled age, key, the list's iterator, weight]
+        for entries, weight in zip(self._lists, WEIGHTS, strict=True):
+            if entries:
+                rest = iter(entries.items())
+                key, stamp = next(rest)
+                heads.append([(now - stamp) * weight, key, rest, weight])
         while heads:
-            best = max(range(len(heads)), key=lambda i: heads[i][0])
-            _, key, entries, weight = heads[best]
-            yield key
-            for next_key, stamp in itertools.islice(entries, 1):
-                heads[best] = ((now - stamp) * weight, next_key, entries, weight)
-                break
+            best = heads[0] if len(heads) == 1 else max(heads, key=_scaled_age)
+            yield best[1]
+            following = next(best[2], None)
+            if following is None:
+                heads.remove(best)
             else:
-                del heads[best]
+                best[0] = (now - following[1]) * best[3]
+                best[1] = following[0]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._class
+        return key in self._state
 
     def __len__(self) -> int:
-        return len(self._class)
+        return len(self._state)
 
     def stats(self) -> EvictionStats:
         return snapshot(
@@ -207,19 +216,18 @@ class Reuse(Generic[K]):
             history_keys=len(self._history),
         )
 
-    def _place(self, key: K, cls: int) -> None:
-        self._clock += 1
-        self._class[key] = cls
-        self._lists[cls][key] = self._clock
-
     def _remember(self, key: K, uses: int) -> None:
         if not uses:
             return
         self._history[key] = uses
         self._history.move_to_end(key)
-        limit = max(HISTORY_MIN, HISTORY_FACTOR * len(self._class))
+        limit = max(HISTORY_MIN, HISTORY_FACTOR * len(self._state))
         while len(self._history) > limit:
             self._history.popitem(last=False)
+
+
+def _scaled_age(head: list[Any]) -> int:
+    return int(head[0])
 
 
 def make_order(name: str) -> LRU[K] | Reuse[K]:
