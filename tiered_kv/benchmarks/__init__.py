@@ -13,6 +13,7 @@ BENCHMARKS = {
     "transfer": "GPU <-> host KV transfers of every mover path against cudaMemcpy (needs CUDA)",
     "remote": "the L3 server and Redis on loopback against a raw socket (CPU)",
     "prefetch": "L2 (warm, cold) and L3 prefetch into L1 against readinto, O_DIRECT and TCP (CPU)",
+    "trace": "a request trace through the engine beside LRU and the offline optimum (CPU)",
 }
 
 
