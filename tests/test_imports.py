@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tiered_kv"
 # Bottom up; a module's layer is that of the longest prefix listed.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "snapshot", "threads", "cost"),
+    ("eviction",),
     ("config", "keys", "codec"),
     ("layout",),
     ("request",),

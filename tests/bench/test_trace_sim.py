@@ -13,6 +13,8 @@ from tiered_kv.benchmarks.trace_sim import (
     load_trace,
     simulate_belady,
     simulate_lru,
+    simulate_lru_oracle,
+    simulate_order,
 )
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -47,6 +49,12 @@ def test_a_tiny_trace_by_hand(tmp_path: Path) -> None:
     assert simulate_lru(requests, 10).hit_tokens == simulate_belady(requests, 10).hit_tokens
     assert simulate_lru(requests, 10).hit_tokens == 1024 + 1024
     assert simulate_belady(requests, 0).hit_tokens == 0
+    # The engine's orders as the engine drives them: LRU as above. Reuse let the tail (2) go
+    # before the head at r1, so r2 is served block 1 (512), and r3 both: 1536. LRU told
+    # which blocks come back never keeps 3: 2048, the optimum's figure here.
+    assert simulate_order(requests, 2, "lru").hit_tokens == 1024
+    assert simulate_order(requests, 2, "reuse").hit_tokens == 512 + 1024
+    assert simulate_lru_oracle(requests, 2).hit_tokens == 2048
 
 
 @pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not beside this checkout")
