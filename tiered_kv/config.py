@@ -203,8 +203,8 @@ class EngineConfig:
     l2_durability: L2Durability = "batched"
     l2_sync_interval_s: float = 0.1
     io_plane: IoPlane = "auto"
-    l1_eviction: Eviction = "lru"
-    l2_eviction: Eviction = "lru"
+    l1_eviction: Eviction = "reuse"
+    l2_eviction: Eviction = "reuse"
     io_workers: int | None = None
     prefetch_policy: PrefetchPolicy = "wait_complete"
     prefetch_timeout_base_s: float = 0.005

@@ -120,64 +120,68 @@ class Reuse(Generic[K]):
     name = "reuse"
 
     def __init__(self) -> None:
-        # Per class: key -> the clock at its last event, oldest first.
-        self._lists: tuple[collections.OrderedDict[K, int], ...] = tuple(
+        # Per class: key -> its entry, oldest first. An entry is one list, [clock at the key's
+        # last event, uses, class], shared with `_entries`: an event hashes the key at most
+        # twice (a ChunkKey's hash is a Python call).
+        self._lists: tuple[collections.OrderedDict[K, list[int]], ...] = tuple(
             collections.OrderedDict() for _ in WEIGHTS
         )
-        # Resident keys: uses * 4 + class (one dict: every key hash is a Python call).
-        self._state: dict[K, int] = {}
+        self._entries: dict[K, list[int]] = {}
         self._history: collections.OrderedDict[K, int] = collections.OrderedDict()
         self._clock = 0
         self.promotions = 0
         self.returns = 0
 
     def insert(self, key: K, *, partial: bool = False) -> None:
-        if key in self._state:
-            self.touch(key)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._lists[entry[2]].move_to_end(key)
+            self._clock += 1
+            entry[0] = self._clock
             return
-        uses = self._history.pop(key, 0)
+        uses = self._history.pop(key, 0) if self._history else 0
         if uses:
             self.returns += 1
         cls = REUSED if uses >= 2 else PARTIAL if partial else FIRST
-        self._state[key] = uses * 4 + cls
         self._clock += 1
-        self._lists[cls][key] = self._clock
+        entry = [self._clock, uses, cls]
+        self._entries[key] = entry
+        self._lists[cls][key] = entry
 
     def touch(self, key: K) -> None:
-        state = self._state.get(key)
-        if state is not None:
-            entries = self._lists[state & 3]
-            entries.move_to_end(key)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._lists[entry[2]].move_to_end(key)
             self._clock += 1
-            entries[key] = self._clock
+            entry[0] = self._clock
 
     def use(self, keys: Sequence[K]) -> None:
-        states, lists = self._state, self._lists
+        entries, lists = self._entries, self._lists
+        clock = self._clock
         for key in reversed(keys):  # the tail first: the head ends youngest
-            state = states.get(key)
-            if state is None:  # not (yet) resident: a write still on its way, or not taken
+            entry = entries.get(key)
+            if entry is None:  # not (yet) resident: a write still on its way, or not taken
                 self._remember(key, self._history.pop(key, 0) + 1)
                 continue
-            state += 4
-            cls = state & 3
-            self._clock += 1
-            if state >= 8 and cls != REUSED:  # a second use: reused from now on
+            clock += 1
+            entry[0] = clock
+            entry[1] += 1
+            cls = entry[2]
+            if cls != REUSED and entry[1] >= 2:  # a second use: reused from now on
                 self.promotions += 1
                 del lists[cls][key]
-                state -= cls
-                lists[REUSED][key] = self._clock
+                entry[2] = REUSED
+                lists[REUSED][key] = entry
             else:
-                entries = lists[cls]
-                entries.move_to_end(key)
-                entries[key] = self._clock
-            states[key] = state
+                lists[cls].move_to_end(key)
+        self._clock = clock
 
     def remove(self, key: K) -> None:
-        state = self._state.pop(key, None)
-        if state is None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
             return
-        del self._lists[state & 3][key]
-        self._remember(key, state >> 2)
+        del self._lists[entry[2]][key]
+        self._remember(key, entry[1])
 
     def victims(self) -> Iterator[K]:
         """Keys by scaled age, oldest first: a merge of the class lists, each oldest first,
@@ -188,8 +192,8 @@ class Reuse(Generic[K]):
         for entries, weight in zip(self._lists, WEIGHTS, strict=True):
             if entries:
                 rest = iter(entries.items())
-                key, stamp = next(rest)
-                heads.append([(now - stamp) * weight, key, rest, weight])
+                key, entry = next(rest)
+                heads.append([(now - entry[0]) * weight, key, rest, weight])
         while heads:
             best = heads[0] if len(heads) == 1 else max(heads, key=_scaled_age)
             yield best[1]
@@ -197,14 +201,14 @@ class Reuse(Generic[K]):
             if following is None:
                 heads.remove(best)
             else:
-                best[0] = (now - following[1]) * best[3]
+                best[0] = (now - following[1][0]) * best[3]
                 best[1] = following[0]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._state
+        return key in self._entries
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._entries)
 
     def stats(self) -> EvictionStats:
         return snapshot(
@@ -221,7 +225,7 @@ class Reuse(Generic[K]):
             return
         self._history[key] = uses
         self._history.move_to_end(key)
-        limit = max(HISTORY_MIN, HISTORY_FACTOR * len(self._state))
+        limit = max(HISTORY_MIN, HISTORY_FACTOR * len(self._entries))
         while len(self._history) > limit:
             self._history.popitem(last=False)
 

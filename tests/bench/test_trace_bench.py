@@ -16,7 +16,8 @@ served 1024 each; 4 and 5 are never used again and stay out: 2048. Gap closed by
 Capacity 3. LRU: 1, 2, 3 all fit until r3's 4 pushes out 3 (the least recent); r2 and r3 are
 served 1024 each, r4 misses: 2048. Optimum: 4 stays out (never used again), so 3 is still
 held at r4, served 512 more: 2560.
-Capacity 10 (L1 2 + L2 8): everything fits; both serve every repeated prefix: r2 1024, r3 1024,
+Capacity 8 (L1 2 over L2 8: the tiers hold the larger together, the hierarchy being
+inclusive): everything fits; both serve every repeated prefix: r2 1024, r3 1024,
 r4 512: 2560 (optimum = LRU: no gap to close). In the engine r2's block 1 and r4's block 3 are
 not in L1 (each pushed out of its two blocks) and come from L2; r3's blocks are in L1.
 """
@@ -44,7 +45,7 @@ TRACE = [
 ]
 PROMPT_TOKENS = 4684
 # capacity -> (LRU, optimum) tokens served, as worked out in the module docstring
-HAND = {2: (1024, 2048), 3: (2048, 2560), 10: (2560, 2560)}
+HAND = {2: (1024, 2048), 3: (2048, 2560), 8: (2560, 2560)}
 
 
 @pytest.fixture
