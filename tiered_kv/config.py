@@ -142,8 +142,10 @@ class EngineConfig:
         may lose the chunks written since the last sync and never serves a torn one
         (docs/architecture.md, "L2 disk tier").
     l2_sync_interval_s: the batch of "batched" durability, in seconds (> 0).
-    l1_eviction, l2_eviction: which chunks L1 and L2 let go when full (docs/eviction.md):
-        "lru" (least recently used) or "reuse" (admission and eviction by observed reuse).
+    l1_eviction, l2_eviction: which chunks L1 and L2 let go first when full
+        (docs/eviction.md): "reuse" (the default: age scaled by how often requests used a
+        chunk, a prompt's last partial chunk early, a prompt's tail before its head) or "lru"
+        (least recently used first).
     io_plane: where L2 reads and writes, and ``tkv://`` GETs and PUTs, move their bytes:
         "processes" (I/O worker processes that read and receive straight into L1 and write and
         send straight from it, L1 then being a shared memfd mapping; each worker has its own
