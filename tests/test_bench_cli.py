@@ -164,7 +164,7 @@ def test_bench_names_and_options_are_checked() -> None:
 
 @pytest.mark.slow
 def test_bench_scripts_in_a_clone_run_the_packaged_benchmarks() -> None:
-    for name in ("workload", "transfer", "remote", "prefetch"):
+    for name in ("workload", "transfer", "remote", "prefetch", "trace"):
         result = subprocess.run(
             [sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"],
             capture_output=True,
