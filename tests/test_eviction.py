@@ -178,9 +178,9 @@ async def test_the_engine_keeps_a_reused_prompt_that_lru_lets_go(
     assert tier.keys_reused == 2 and tier.keys_first == 6
 
 
-async def test_a_reopened_l2_counts_every_chunk_found_as_used_once(tmp_path: Path) -> None:
+async def test_a_reopened_l2_starts_every_chunk_found_as_first_seen(tmp_path: Path) -> None:
     """Use counts are not on disk: after a restart the order is the files' last use, every
-    chunk in the first-seen class (conservative), and the next uses promote again."""
+    chunk first-seen with no use counted (conservative), and two uses promote again."""
     await _shared_prompt_hits("reuse", tmp_path)
     chunk_bytes = CHUNK * 2 * 4 * 2
     config = EngineConfig(

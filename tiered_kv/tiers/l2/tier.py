@@ -269,7 +269,7 @@ class DiskTier(LowerTier):
             except OSError as exc:
                 raise TieredKVError(f"L2 directory {self.root} is not usable: {exc}") from exc
             # Oldest file first: the order starts as it ended, by last use (use counts are not
-            # on disk: every chunk found counts as used by one request).
+            # on disk: every chunk found starts first-seen, no use counted).
             for key, entry, mtime_ns in rebuilt.entries:
                 self._insert(key, entry)
                 self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
