@@ -1,5 +1,5 @@
-"""Request traces of our own, in Mooncake's FAST'25 format, to compare eviction policies on
-(issue 41). Each generator models a workload that stresses eviction differently:
+"""Request traces of our own, in Mooncake's FAST'25 format, to compare eviction policies on.
+Each generator models a workload that stresses eviction differently:
 - `chat_trace`: multi-turn chat. Each turn resends the whole conversation, so a session's
   blocks come back after the user's think time (tens of seconds, sometimes many minutes);
   a cache must keep idle sessions across that gap while new ones arrive.
