@@ -25,9 +25,10 @@ chunk there, with another hash). So each key is in one of three classes, each an
 - first: fewer than two so far;
 - partial: the same, for a prompt's last, shorter chunk.
 
-A key's age is the number of ``use`` and ``touch`` events since its last; the victim is the head
-of the list with the largest age times the class weight (`WEIGHTS`: a first-seen chunk ages four
-times as fast as a reused one, a partial one sixteen times). Within one request, ``use`` renews
+A key's age is the number of events (inserts, touches, uses of any key) since its last; the
+victim is the head of the list with the largest age times the class weight (`WEIGHTS`: a
+first-seen chunk ages four times as fast as a reused one, a partial one sixteen times).
+Within one request, ``use`` renews
 the keys from the last chunk to the first, so a prompt's head is younger than its tail and the
 tail goes first: a chunk is worth nothing without the chunks before it.
 
@@ -39,8 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from tiered_kv.errors import ConfigError
@@ -241,9 +241,3 @@ def make_order(name: str) -> LRU[K] | Reuse[K]:
     if name == "reuse":
         return Reuse()
     raise ConfigError(f"eviction: expected one of ('lru', 'reuse'), got {name!r}")
-
-
-def take(order: EvictionOrder[K], count: int, skip: Iterable[K] = ()) -> list[K]:
-    """The first ``count`` victims not in ``skip`` (a list: safe to evict while walking it)."""
-    skipped = set(skip)
-    return list(itertools.islice((k for k in order.victims() if k not in skipped), count))
