@@ -28,9 +28,9 @@ chunk there, with another hash). So each key is in one of three classes, each an
 A key's age is the number of events (inserts, touches, uses of any key) since its last; the
 victim is the head of the list with the largest age times the class weight (`WEIGHTS`: a
 first-seen chunk ages four times as fast as a reused one, a partial one sixteen times).
-Within one request, ``use`` renews
-the keys from the last chunk to the first, so a prompt's head is younger than its tail and the
-tail goes first: a chunk is worth nothing without the chunks before it.
+Within one request, ``use`` renews the keys from the last chunk to the first, so a prompt's
+head is younger than its tail and the tail goes first: a chunk is worth nothing without the
+chunks before it.
 
 Pure Python with no I/O; loop-only like the tiers. `tiered_kv.benchmarks.trace_sim` replays
 traces through the same classes.
