@@ -87,7 +87,7 @@ class EngineRuntime:
                 else:  # no tier reads through it: no worker to start
                     plane = None
             storage = StorageManager(
-                L1Tier(arena, eviction=config.l1_eviction, chunk_tokens=config.chunk_size),
+                L1Tier(arena, eviction=config.l1_eviction),
                 lower,
                 write_queue=config.lower_write_queue,
                 write_queue_bytes=int(arena.capacity * WRITE_QUEUE_L1_SHARE),

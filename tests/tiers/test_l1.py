@@ -503,7 +503,7 @@ class L1ReuseStateMachine(L1StateMachine):
     @initialize()
     def setup(self) -> None:
         super().setup()
-        self.tier = L1Tier(self.arena, on_evict=self._on_evict, eviction="reuse", chunk_tokens=16)
+        self.tier = L1Tier(self.arena, on_evict=self._on_evict, eviction="reuse")
 
     @rule(key_ids=st.lists(st.integers(0, NUM_KEYS - 1), max_size=5, unique=True))
     def use(self, key_ids: list[int]) -> None:

@@ -94,6 +94,11 @@ def bar_chart(
     ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
+    save_figure(plt, fig, path)
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> None:
+    """Lay ``fig`` out, write it to ``path`` (its directory made) and close it."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tiered_kv.benchmarks.common import DEFAULT_OUT, load_pyplot
+from tiered_kv.benchmarks.common import DEFAULT_OUT, load_pyplot, save_figure
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.benchmarks.trace_replay import (
     KV_BYTES_PER_TOKEN,
@@ -355,10 +355,7 @@ def plot(plt: Any, rows: Sequence[Row], policies: Sequence[str], path: Path, tit
     ax.set_title(title, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 # -- the command line ---------------------------------------------------------------------------

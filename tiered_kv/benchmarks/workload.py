@@ -52,6 +52,7 @@ from tiered_kv.benchmarks.common import (
     load_pyplot,
     percentile,
     run_on_engine_loop,
+    save_figure,
 )
 from tiered_kv.benchmarks.progress import Progress
 from tiered_kv.config import L2_DURABILITIES, parse_size
@@ -262,9 +263,7 @@ def plot(plt: Any, results: Sequence[Result], path: Path, title: str) -> None:
     ax.set_title(textwrap.fill(title, 95), fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -56,16 +56,13 @@ class L1Tier:
         *,
         on_evict: EvictHook | None = None,
         eviction: str = "lru",
-        chunk_tokens: int | None = None,
     ) -> None:
-        """``eviction``: the order's name (`tiered_kv.eviction.make_order`); ``chunk_tokens``:
-        the engine's chunk size, so that a prompt's shorter last chunk is known as such."""
+        """``eviction``: the order's name (`tiered_kv.eviction.make_order`)."""
         self.arena = arena
         self.on_evict = on_evict
         self.events: TierEventLog | None = None  # set while someone listens (`TierEventLog`)
         self._entries: dict[ChunkKey, MemoryObj] = {}
         self.order: EvictionOrder[ChunkKey] = make_order(eviction)
-        self.chunk_tokens = chunk_tokens
         self._bytes = 0
         self._dirty: set[ChunkKey] = set()
         self.hits = 0
@@ -96,8 +93,8 @@ class L1Tier:
             return False
         self._entries[key] = obj.ref()
         self._bytes += obj.nbytes
-        partial = self.chunk_tokens is not None and obj.num_tokens < self.chunk_tokens
-        self.order.insert(key, partial=partial)
+        # A prompt's shorter last chunk: its layout knows the full size.
+        self.order.insert(key, partial=obj.num_tokens < obj.layout.chunk_size)
         if self.events is not None:
             self.events.emit("stored", self.name, key, obj.num_tokens)
         return True
