@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from tiered_kv.config import EngineConfig, parse_l3_url
+from tiered_kv.config import EngineConfig
 from tiered_kv.errors import ConfigError
 
 # Keys SGLang itself reads from the same dict (its dynamic loader, its controller).
@@ -68,14 +68,6 @@ class BackendSettings:
                 "directory) and/or 'l3_url' (tkv://, redis://, valkey://) in "
                 "--hicache-storage-backend-extra-config"
             )
-        if self.engine.l3_url is not None and parse_l3_url(self.engine.l3_url).scheme.store == (
-            "mooncake"
-        ):
-            raise ConfigError(
-                f"l3_url: {self.engine.l3_url!r}: mooncake:// is not supported by the SGLang "
-                "backend (its transfers register our own host arena; SGLang's host pool is "
-                "not one); use SGLang's own 'mooncake' backend, or tkv:// / redis://"
-            )
         timeout = self.call_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"call_timeout_s: expected a number > 0, got {timeout!r}")
@@ -92,6 +84,13 @@ class BackendSettings:
             )
         if "l2_size" in extra and "l2_bytes" in extra:
             raise ConfigError("l2_size and l2_bytes: give one of them (they are the same option)")
+        url = extra.get("l3_url")
+        if isinstance(url, str) and url.partition("://")[0].lower() == "mooncake":
+            raise ConfigError(
+                f"l3_url: {url!r}: mooncake:// is not supported by the SGLang backend (its "
+                "transfers register our own host arena; SGLang's host pool is not one); use "
+                "SGLang's own 'mooncake' backend, or tkv:// / redis://"
+            )
         fields: dict[str, Any] = {}
         for key, field in OPTION_FIELDS.items():
             if key in extra and field is not None:
