@@ -9,8 +9,13 @@ PY := $(VENV)/bin/python
 # requirements-vllm.txt); the core .venv stays light and never collects tests/vllm.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
+# SGLang's storage backend's tests run in a venv of their own too (sglang with --no-deps and the
+# pinned packages its pools import, CPU torch: requirements-sglang.txt); the core .venv never
+# collects tests/sglang.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
 
-.PHONY: demo test test-vllm lint lock bench-core bench-vllm clean
+.PHONY: demo test test-vllm test-sglang lint lock bench-core bench-vllm clean
 
 # requirements-lock.txt pins every package the core venv installs (torch aside: TORCH_SPEC), so an
 # upstream release cannot turn a fresh clone red; `make lock` re-resolves it on purpose.
@@ -47,15 +52,31 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml
 	$(VLLM_PY) -c "import vllm, tiered_kv.integrations.vllm"
 	touch $@
 
+# --no-deps: sglang's metadata asks for CUDA torch 2.14.1, sglang-kernel, flashinfer and the whole
+# server; the constraint keeps torch the CPU build whatever the file's other pins ask for.
+$(SGLANG_VENV)/.installed: requirements-sglang.txt pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	grep '^torch==' requirements-sglang.txt > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_PY) -m pip install -q --no-deps -c $(SGLANG_VENV)/constraints.txt \
+		-r requirements-sglang.txt
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	$(SGLANG_PY) -c "from tests.sglang import cpu_torch; cpu_torch.import_sglang(); \
+		import tiered_kv.integrations.sglang"
+	touch $@
+
 # The core suite, then the benchmarks' own tests (bench-only dependencies such as transformers can
 # fail only that second run), then the vLLM connector's tests in their venv.
-test: $(VENV)/.installed $(VLLM_VENV)/.installed
+test: $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	$(PY) -m pytest -q --ignore=tests/bench
 	$(PY) -m pytest -q tests/bench
 	$(VLLM_PY) -m pytest -q tests/vllm
+	$(SGLANG_PY) -m pytest -q tests/sglang
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+test-sglang: $(SGLANG_VENV)/.installed
+	$(SGLANG_PY) -m pytest -q tests/sglang
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check tiered_kv tests bench
@@ -70,4 +91,4 @@ bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) bench/vllm_ttft.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-lock *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-lock *.egg-info .pytest_cache .mypy_cache .ruff_cache
