@@ -10,7 +10,9 @@ per chunk (the file, the header's length or its template, the arena runs of the 
 awaits one answer (a read: the header's bytes and each stripe's digest; a write: whether the
 file is in place); the bytes themselves never cross the interpreter of the engine's process,
 whose lock therefore never paces them. The descriptors started in one loop iteration go to a
-worker in one message, and it answers them in one.
+worker in one message; it answers them as they end, several to a message at most every
+`tiered_kv.io.worker.ANSWER_EVERY_S` (a long backlog's first chunks are answered while the rest
+are still read).
 
 Faults: a worker that dies fails the jobs it held (misses; a dead process writes nothing more
 into their buffers) and is replaced. A caller cancelled while its job runs waits for the job to

@@ -5,8 +5,8 @@ Run by path (``python -I worker.py ARENA_FD ARENA_BYTES SOCKET_FD``, `tiered_kv.
 it): it imports the standard library, xxhash and `pagecache.py` beside it, never tiered_kv (whose
 package imports torch), so a worker starts in milliseconds and holds no CUDA state. It maps the
 arena (a memfd inherited as ``ARENA_FD``), serves jobs from its socket (``SOCK_SEQPACKET``, one
-pickled list of jobs per message; every job waiting is taken and answered together, in one message),
-and exits when the socket closes or its parent dies (``PR_SET_PDEATHSIG``). Judging the bytes (the
+pickled list of jobs per message) in order, answers them as they end, several to a message
+(`Outbox`), and exits when the socket closes or its parent dies (``PR_SET_PDEATHSIG``). Judging the bytes (the
 header's checks, the checksums) is the engine's, on its loop: a worker only moves and hashes them.
 
 Read job: ``("read", job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns,
@@ -26,7 +26,7 @@ stripe_bytes, stamp_ns, fsync, measure_free)``: the payload from ``extents`` goe
 last 8 bytes (`tiered_kv.codec.seal_header`: the two must agree, a test checks it); the header
 is written at offset 0, the file stamped with ``stamp_ns`` (and fsynced when ``fsync``) and
 renamed to ``final_path``. With ``fsync`` the directories renamed into are fsynced once per
-message, before the answer (a group commit). Answer: ``(job_id, status, errno, detail,
+answer message, before it is sent (a group commit). Answer: ``(job_id, status, errno, detail,
 free_bytes)``; ``status`` ``"written"`` or ``"error"`` (no file left at either path);
 ``free_bytes``: the filesystem's free bytes after a ``measure_free`` write or one that failed
 for want of space, else None.
@@ -34,6 +34,7 @@ for want of space, else None.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -46,7 +47,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -69,6 +70,8 @@ PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20
 # Bytes per read or write call, hashed right after (or before) it while in the CPU's cache.
 READ_PIECE = 1 << 20
+# While jobs remain, answers go back at most this often (`Outbox`).
+ANSWER_EVERY_S = 0.002
 
 
 def _die_with_parent() -> None:
@@ -362,40 +365,39 @@ def _by_endpoint(
     return list(groups.values())
 
 
+Answered = Callable[[tuple[Any, ...], tuple[object, ...]], None]
+
+
 def remote_gets(
-    arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
-) -> dict[int, tuple[object, ...]]:
+    arena: memoryview,
+    jobs: list[tuple[Any, ...]],
+    endpoints: dict[tuple[str, int], Endpoint],
+    answered: Answered,
+) -> None:
     """GET jobs ``("get", job_id, host, port, token, key, header_len, payload_len, extents,
     stripe_bytes, timeout)``: all of one endpoint sent at once (the server answers in order),
     then each answer read: the chunk frame's header back, its payload into the arena runs,
-    hashed per stripe. Answers as a read's (``file_size``: the frame's length; status
-    ``"mismatch"`` for a frame of another length, left unread); any connection error fails
-    that endpoint's jobs still unanswered and closes the connection."""
-    answers: dict[int, tuple[object, ...]] = {}
+    hashed per stripe, and passed to ``answered`` as a read's (``file_size``: the frame's
+    length; status ``"mismatch"`` for a frame of another length, left unread); any connection
+    error fails that endpoint's jobs still unanswered and closes the connection."""
     for endpoint, group in _by_endpoint(jobs, endpoints):
-        current: tuple[Any, ...] | None = None
+        done = 0
         try:
             endpoint.connect(group[0][10])
             for job in group:
                 endpoint.send(TKV_GET, job[5])
-            for current in group:
-                answers[current[1]] = _get_answer(arena, endpoint, current)
+            for job in group:
+                answer = _get_answer(arena, endpoint, job)
+                done += 1
+                answered(job, answer)
         except (OSError, ConnectionError, SizeMismatch) as exc:
             endpoint.close()
-            if isinstance(exc, SizeMismatch) and current is not None:
-                answers[current[1]] = (current[1], "mismatch", b"", [], 0, None, str(exc))
-            for job in group:
-                if job[1] not in answers:
-                    answers[job[1]] = (
-                        job[1],
-                        "error",
-                        b"",
-                        [],
-                        0,
-                        None,
-                        f"{type(exc).__name__}: {exc}",
-                    )
-    return answers
+            for job in group[done:]:
+                if isinstance(exc, SizeMismatch) and job is group[done]:
+                    answered(job, (job[1], "mismatch", b"", [], 0, None, str(exc)))
+                else:
+                    answer = (job[1], "error", b"", [], 0, None, f"{type(exc).__name__}: {exc}")
+                    answered(job, answer)
 
 
 def _get_answer(arena: memoryview, endpoint: Endpoint, job: tuple[Any, ...]) -> tuple[object, ...]:
@@ -427,46 +429,46 @@ def _get_answer(arena: memoryview, endpoint: Endpoint, job: tuple[Any, ...]) -> 
 
 
 def remote_puts(
-    arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
-) -> dict[int, tuple[object, ...]]:
+    arena: memoryview,
+    jobs: list[tuple[Any, ...]],
+    endpoints: dict[tuple[str, int], Endpoint],
+    answered: Answered,
+) -> None:
     """PUT jobs ``("put", job_id, host, port, token, key, header, checksums_at, extents,
     stripe_bytes, timeout)``: each payload hashed, its header sealed (as `write_chunk` does),
-    the frame sent; all of one endpoint sent, then the answers read. Answers as a write's."""
-    answers: dict[int, tuple[object, ...]] = {}
+    the frame sent; all of one endpoint sent, then the answers read, each passed to
+    ``answered`` as a write's."""
     for endpoint, group in _by_endpoint(jobs, endpoints):
-        sent = []
+        done: set[int] = set()
         try:
             endpoint.connect(group[0][10])
+            sent = []
             for job in group:
                 (_, job_id, _, _, _, key, template, checksums_at, extents, stripe_bytes, _) = job
                 header = _sealed(arena, template, checksums_at, extents, stripe_bytes)
                 if header is None:
-                    answers[job_id] = (
-                        job_id,
-                        "error",
-                        0,
-                        "the header has no room for its stripes",
-                        None,
-                    )
+                    done.add(job_id)
+                    answered(job, (job_id, "error", 0, "the header has no room for its stripes",
+                                   None))  # fmt: skip
                     continue
                 pieces = _pieces(arena, extents, 0, sum(length for _, length in extents))
                 endpoint.send(TKV_PUT, key, data=[memoryview(header), *pieces])
-                sent.append(job_id)
-            for job_id in sent:
+                sent.append(job)
+            for job in sent:
                 status, meta, data_len = endpoint.answer(TKV_PUT)
                 if data_len:
                     raise ConnectionError(f"a PUT answer with {data_len} data bytes")
+                done.add(job[1])
                 if status == TKV_OK:
-                    answers[job_id] = (job_id, "written", 0, "", None)
+                    answered(job, (job[1], "written", 0, "", None))
                 else:
-                    detail = meta[2:].decode(errors="replace")
-                    answers[job_id] = (job_id, "error", 0, detail or f"status {status}", None)
+                    detail = meta[2:].decode(errors="replace") or f"status {status}"
+                    answered(job, (job[1], "error", 0, detail, None))
         except (OSError, ConnectionError) as exc:
             endpoint.close()
             for job in group:
-                if job[1] not in answers:
-                    answers[job[1]] = (job[1], "error", 0, f"{type(exc).__name__}: {exc}", None)
-    return answers
+                if job[1] not in done:
+                    answered(job, (job[1], "error", 0, f"{type(exc).__name__}: {exc}", None))
 
 
 def _sealed(
@@ -499,31 +501,40 @@ def _failed(job: tuple[Any, ...], exc: Exception) -> tuple[object, ...]:
     return (job[1], "error", 0, detail, None)
 
 
-def serve(
-    arena: memoryview, jobs: list[tuple[Any, ...]], endpoints: dict[tuple[str, int], Endpoint]
+class Outbox:
+    """Answers not yet sent. While jobs remain they go back together at most every
+    `ANSWER_EVERY_S`, and at once when none remain: a chunk's read is answered a few
+    milliseconds after it ends, not when the worker's whole backlog does, so the engine can
+    copy it on (and start the next load) while the rest are still read, and its loop still
+    wakes once for many small jobs. Writes with ``fsync`` are answered only after the
+    directories they were renamed into are fsynced, once per answer message (a group commit)."""
+
+    def __init__(self, channel: socket.socket) -> None:
+        self.channel = channel
+        self.items: list[tuple[tuple[Any, ...], tuple[object, ...]]] = []
+        self.sent_at = time.monotonic()
+
+    def put(self, job: tuple[Any, ...], answer: tuple[object, ...]) -> None:
+        self.items.append((job, answer))
+        if time.monotonic() - self.sent_at >= ANSWER_EVERY_S:
+            self.send()
+
+    def send(self) -> None:
+        if self.items:
+            answers = _group_commit(self.items)
+            self.items = []
+            self.channel.sendall(pickle.dumps(answers))
+        self.sent_at = time.monotonic()
+
+
+def _group_commit(
+    items: list[tuple[tuple[Any, ...], tuple[object, ...]]],
 ) -> list[tuple[object, ...]]:
-    """Every job of a message, in order; then one fsync per directory renamed into by an
-    ``fsync`` write (a failed one fails those writes and removes their files)."""
-    answers: list[tuple[object, ...]] = []
-    remote: dict[int, tuple[object, ...]] = {}
-    for kind, run in (("get", remote_gets), ("put", remote_puts)):
-        batch = [job for job in jobs if job[0] == kind]
-        if batch:
-            try:
-                remote.update(run(arena, batch, endpoints))
-            except Exception as exc:  # a malformed job: its answers say so, the worker lives on
-                for job in batch:
-                    remote.setdefault(job[1], _failed(job, exc))
-    for job in jobs:
-        if job[0] in ("get", "put"):
-            answers.append(remote[job[1]])
-            continue
-        try:
-            answers.append(read_chunk(arena, job) if job[0] == "read" else write_chunk(arena, job))
-        except Exception as exc:  # a malformed job: its answer says so, the worker lives on
-            answers.append(_failed(job, exc))
+    """The answers of ``items``, after one fsync per directory renamed into by an ``fsync``
+    write (a failed one fails those writes and removes their files)."""
+    answers = [answer for _, answer in items]
     synced: dict[str, list[int]] = {}
-    for index, (job, answer) in enumerate(zip(jobs, answers, strict=True)):
+    for index, (job, answer) in enumerate(items):
         if job[0] == "write" and job[9] and answer[1] == "written":
             synced.setdefault(os.path.dirname(job[3]), []).append(index)
     for directory, indices in synced.items():
@@ -531,12 +542,63 @@ def serve(
             fsync_directory(directory)
         except OSError as exc:
             for index in indices:
-                job = jobs[index]
+                job = items[index][0]
                 with contextlib.suppress(OSError):
                     os.unlink(job[3])  # its rename may not survive a crash: not stored
                 answers[index] = (job[1], "error", exc.errno or 0, f"fsync of {directory}: {exc}",
                                   None)  # fmt: skip
     return answers
+
+
+def step(
+    arena: memoryview,
+    jobs: collections.deque[tuple[Any, ...]],
+    endpoints: dict[tuple[str, int], Endpoint],
+    outbox: Outbox,
+) -> None:
+    """Run the backlog's next jobs into ``outbox``: every GET (or PUT) at its head together,
+    pipelined per endpoint, or one read or write."""
+    kind = jobs[0][0]
+    if kind in ("get", "put"):
+        batch = []
+        while jobs and jobs[0][0] == kind:
+            batch.append(jobs.popleft())
+        answered: set[int] = set()
+
+        def put(job: tuple[Any, ...], answer: tuple[object, ...]) -> None:
+            answered.add(job[1])
+            outbox.put(job, answer)
+
+        try:
+            (remote_gets if kind == "get" else remote_puts)(arena, batch, endpoints, put)
+        except Exception as exc:  # a malformed job: its answers say so, the worker lives on
+            for job in batch:
+                if job[1] not in answered:
+                    outbox.put(job, _failed(job, exc))
+        return
+    job = jobs.popleft()
+    try:
+        answer = read_chunk(arena, job) if kind == "read" else write_chunk(arena, job)
+    except Exception as exc:  # a malformed job: its answer says so, the worker lives on
+        answer = _failed(job, exc)
+    outbox.put(job, answer)
+
+
+def _take(channel: socket.socket, jobs: collections.deque[tuple[Any, ...]], block: bool) -> bool:
+    """Every message waiting (waiting for one when ``block``) onto ``jobs``; False once the
+    engine has closed the socket."""
+    flags = 0 if block else socket.MSG_DONTWAIT
+    while True:
+        try:
+            message = channel.recv(MAX_MESSAGE, flags)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not message:
+            return False
+        jobs.extend(pickle.loads(message))
+        flags = socket.MSG_DONTWAIT
 
 
 def main() -> None:
@@ -549,24 +611,15 @@ def main() -> None:
     arena = memoryview(mapping)
     channel = socket.socket(fileno=socket_fd)
     endpoints: dict[tuple[str, int], Endpoint] = {}
-    while True:
-        # Every batch already sent is taken at once and answered in one message: the engine's
-        # loop then wakes once for all of them (each wake-up beside a busy Python thread can
-        # wait a switch interval for the interpreter lock).
-        jobs: list[tuple[Any, ...]] = []
-        flags = 0
-        while True:
-            try:
-                message = channel.recv(MAX_MESSAGE, flags)
-            except BlockingIOError:
-                break
-            except OSError:
-                return
-            if not message:
-                return
-            jobs.extend(pickle.loads(message))
-            flags = socket.MSG_DONTWAIT
-        channel.sendall(pickle.dumps(serve(arena, jobs, endpoints)))
+    jobs: collections.deque[tuple[Any, ...]] = collections.deque()
+    outbox = Outbox(channel)
+    # Jobs that arrive while others run join the backlog between two jobs; the worker blocks
+    # only with nothing left to run and nothing left to answer.
+    while _take(channel, jobs, block=not jobs):
+        if jobs:
+            step(arena, jobs, endpoints, outbox)
+        if not jobs:
+            outbox.send()
 
 
 if __name__ == "__main__":
