@@ -6,8 +6,9 @@ it): it imports the standard library, xxhash and `pagecache.py` beside it, never
 package imports torch), so a worker starts in milliseconds and holds no CUDA state. It maps the
 arena (a memfd inherited as ``ARENA_FD``), serves jobs from its socket (``SOCK_SEQPACKET``, one
 pickled list of jobs per message) in order, answers them as they end, several to a message
-(`Outbox`), and exits when the socket closes or its parent dies (``PR_SET_PDEATHSIG``). Judging the bytes (the
-header's checks, the checksums) is the engine's, on its loop: a worker only moves and hashes them.
+(`Outbox`), and exits when the socket closes or its parent dies (``PR_SET_PDEATHSIG``). Judging
+the bytes (the header's checks, the checksums) is the engine's, on its loop: a worker only moves
+and hashes them.
 
 Read job: ``("read", job_id, path, header_len, payload_len, extents, stripe_bytes, stamp_ns,
 first, last)``: stripes ``first`` to ``last - 1`` of the payload, where ``extents`` are the

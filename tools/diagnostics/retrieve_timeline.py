@@ -55,7 +55,7 @@ def instrument(engine: TieredKVEngine, marks: Marks) -> None:
         return ok
 
     storage.read_into = timed_read  # type: ignore[method-assign]
-    mover = engine._running().mover  # noqa: SLF001
+    mover = engine._running().mover
     scatter = mover.scatter
 
     async def timed_scatter(layout: Any, block_ids: Any, transfers: Any) -> None:
