@@ -52,6 +52,16 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml
 	$(VLLM_PY) -c "import vllm, tiered_kv.integrations.vllm"
 	touch $@
 
+# vLLM 0.33's pure-Python tree for the connector's conformance test (requirements-vllm033.txt:
+# the wheel pinned by hash; a CUDA build, imported by the test, never run). A --target
+# directory, not a venv: the test puts it first on sys.path over .venv-vllm's 0.32.
+VLLM033 ?= .vllm033
+$(VLLM033)/.installed: requirements-vllm033.txt | $(VLLM_VENV)/.installed
+	rm -rf $(VLLM033)
+	$(VLLM_PY) -m pip install -q --no-deps --require-hashes --target $(VLLM033) \
+		-r requirements-vllm033.txt
+	touch $@
+
 # --no-deps: sglang's metadata asks for CUDA torch 2.14.1, sglang-kernel, flashinfer and the whole
 # server; the constraint keeps torch the CPU build whatever the file's other pins ask for.
 $(SGLANG_VENV)/.installed: requirements-sglang.txt pyproject.toml
@@ -65,14 +75,15 @@ $(SGLANG_VENV)/.installed: requirements-sglang.txt pyproject.toml
 	touch $@
 
 # The core suite, then the benchmarks' own tests (bench-only dependencies such as transformers can
-# fail only that second run), then the vLLM connector's tests in their venv.
-test: $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
+# fail only that second run), then the vLLM connector's tests in their venv (against 0.33's tree
+# too: tests/vllm/test_connector_conformance.py).
+test: $(VENV)/.installed $(VLLM_VENV)/.installed $(VLLM033)/.installed $(SGLANG_VENV)/.installed
 	$(PY) -m pytest -q --ignore=tests/bench
 	$(PY) -m pytest -q tests/bench
 	$(VLLM_PY) -m pytest -q tests/vllm
 	$(SGLANG_PY) -m pytest -q tests/sglang
 
-test-vllm: $(VLLM_VENV)/.installed
+test-vllm: $(VLLM_VENV)/.installed $(VLLM033)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-sglang: $(SGLANG_VENV)/.installed
@@ -91,4 +102,4 @@ bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) bench/vllm_ttft.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-lock *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(VLLM033) .venv-lock *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -166,8 +166,8 @@ class ConnectorSettings:
         cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     ) -> ConnectorSettings:
         """Raises `ConfigError` for what the connector does not support (pipeline parallelism,
-        hybrid groups other than attention with vLLM's block size), an unknown extra key, or
-        no ``kv_transfer_config``."""
+        sleep mode, hybrid groups other than attention with vLLM's block size), an unknown extra
+        key, or no ``kv_transfer_config``."""
         transfer = vllm_config.kv_transfer_config
         if transfer is None:
             raise ConfigError("TieredKVConnector: vLLM's kv_transfer_config is not set")
@@ -176,6 +176,13 @@ class ConnectorSettings:
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("TieredKVConnector: pipeline parallelism is not supported yet")
+        model = vllm_config.model_config
+        if model is not None and model.enable_sleep_mode:  # vLLM 0.32 does not check it itself
+            raise ConfigError(
+                "TieredKVConnector: vLLM's sleep mode (enable_sleep_mode=True) is not supported: "
+                "weights loaded at a wake-up would be served KV stored under the old ones "
+                '(docs/vllm.md, "vLLM versions"); turn sleep mode off'
+            )
         events_config = getattr(vllm_config, "kv_events_config", None)
         return cls(
             engine_config=engine_config,

@@ -35,6 +35,7 @@ from tiered_kv.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -47,6 +48,15 @@ if TYPE_CHECKING:
 
 class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by a tiered_kv engine per worker (docs/vllm.md)."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """False: vLLM 0.33 then refuses ``enable_sleep_mode`` with this connector. A wake-up
+        is where RL loops load new weights in place, which the chunk keys' fingerprint (taken
+        from the weight files at start-up) cannot see: the tiers would serve KV of the old
+        weights as hits. vLLM 0.32 never asks; `ConnectorSettings.from_vllm` refuses sleep mode
+        on both (docs/vllm.md, "vLLM versions")."""
+        return False
 
     def __init__(
         self,
