@@ -53,13 +53,14 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml
 	touch $@
 
 # vLLM 0.33's pure-Python tree for the connector's conformance test (requirements-vllm033.txt:
-# the wheel pinned by hash; a CUDA build, imported by the test, never run). A --target
+# the wheel pinned by hash; a CUDA build, its Python imported by the test, never run). A --target
 # directory, not a venv: the test puts it first on sys.path over .venv-vllm's 0.32.
 VLLM033 ?= .vllm033
 $(VLLM033)/.installed: requirements-vllm033.txt | $(VLLM_VENV)/.installed
 	rm -rf $(VLLM033)
 	$(VLLM_PY) -m pip install -q --no-deps --require-hashes --target $(VLLM033) \
 		-r requirements-vllm033.txt
+	find $(VLLM033) -name '*.so' -delete  # CUDA builds: the test must not load them (634 MB)
 	touch $@
 
 # --no-deps: sglang's metadata asks for CUDA torch 2.14.1, sglang-kernel, flashinfer and the whole
