@@ -7,6 +7,7 @@ worker outliving its engine, whether it closed or was SIGKILLed."""
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import signal
 import subprocess
@@ -380,3 +381,51 @@ async def test_writes_through_the_plane_survive_a_killed_write_worker(tmp_path: 
         assert (await engine.retrieve(TOKENS, DST)).valid_tokens == len(TOKENS)
         expect_copy(caches, expected, reference, SRC, DST, range(len(TOKENS)), 16)
         assert caches.bytes_equal(expected)
+
+
+class _RecordingMapping:
+    """A mapping that records `madvise` calls, or refuses them (an older kernel)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.refuse = refuse
+
+    def madvise(self, advice: int, start: int, length: int) -> None:
+        if self.refuse:
+            raise OSError(22, "Invalid argument")
+        self.calls.append((advice, start, length))
+
+
+def test_a_job_maps_exactly_the_pages_it_fills_and_an_old_kernel_turns_that_off() -> None:
+    from tiered_kv.io import worker
+
+    populate = worker._Populate()
+    mapping = _RecordingMapping()
+    populate.mapping = mapping  # type: ignore[assignment]
+    page = mmap.PAGESIZE
+    # A payload in two arena runs; bytes [100, 3 pages + 50) of it span both runs.
+    extents = [(5 * page + 10, 2 * page), (20 * page, 4 * page)]
+    populate(extents, 100, 3 * page + 50)
+    advice = worker._Populate.ADVICE
+    assert mapping.calls == [
+        (advice, 5 * page, 2 * page + 10),  # payload [100, 2 pages): from its first page
+        (advice, 20 * page, page + 50),  # payload [2 pages, 3 pages + 50)
+    ]
+    # The calls do what they claim on a real shared mapping: no error, and bytes land.
+    fd = os.memfd_create("tkv-populate-test")
+    try:
+        os.ftruncate(fd, 8 * page)
+        with mmap.mmap(fd, 8 * page) as real:
+            populate.mapping = real
+            populate([(page + 1, 3 * page)], 0, 3 * page)
+            assert populate.mapping is real  # the kernel here supports it (5.14+)
+            real[page + 1 : 2 * page] = b"x" * (page - 1)
+            assert os.pread(fd, 3, page + 1) == b"xxx"
+            populate.mapping = None  # lets the mapping close
+    finally:
+        os.close(fd)
+    refusing = _RecordingMapping(refuse=True)
+    populate.mapping = refusing  # type: ignore[assignment]
+    populate(extents, 0, page)
+    assert populate.mapping is None  # refused once: off for good
+    populate(extents, 0, page)  # and a no-op
