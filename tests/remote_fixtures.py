@@ -100,8 +100,11 @@ def _start_redis(directory: Path, port: int, *extra: str) -> subprocess.Popen[by
     return process
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def redis_service(directory: Path, what: str = "Redis tests") -> Iterator[str]:
+    """The Redis that ``TIERED_KV_TEST_REDIS_URL`` names (unreachable: a failure), else a
+    private ``redis-server`` on a free loopback port (none installed: a skip, a failure under
+    ``CI``); yields its URL."""
     url = os.environ.get(REDIS_URL_ENV)
     if url:
         import redis
@@ -116,13 +119,19 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
         return
     if shutil.which("redis-server") is None:
-        _redis_missing("Redis tests")
+        _redis_missing(what)
     port = free_port()
-    process = _start_redis(tmp_path_factory.mktemp("redis"), port)
+    process = _start_redis(directory, port)
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         stop_process(process, timeout_s=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_service(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
