@@ -313,10 +313,11 @@ class Endpoint:
         self.down_until = 0.0
         self.backoff = BACKOFF_S[0]
         self.next_id = 1
+        self.timeout: float | None = None
 
     def connect(self, timeout: float) -> socket.socket:
         if self.sock is not None:
-            self.sock.settimeout(timeout)
+            self._bound(timeout)
             return self.sock
         if time.monotonic() < self.down_until:
             raise RemoteDown(f"tkv://{self.host}:{self.port} is down (backing off)")
@@ -329,6 +330,8 @@ class Endpoint:
         self.backoff = BACKOFF_S[0]
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self.timeout = None
+        self._bound(timeout)
         if self.token:
             try:
                 self.send(TKV_AUTH, b"", self.token)
@@ -339,6 +342,20 @@ class Endpoint:
                 self.close()
                 raise
         return sock
+
+    def _bound(self, timeout: float) -> None:
+        """A blocking socket whose every send and receive the kernel bounds by ``timeout``
+        (``SO_RCVTIMEO``/``SO_SNDTIMEO``; past it a call fails with ``EAGAIN``, an `OSError`):
+        with Python's own timeout the socket would be non-blocking, and a ``MSG_WAITALL``
+        receive would return whatever had arrived."""
+        if self.timeout == timeout or self.sock is None:
+            return
+        self.sock.settimeout(None)
+        seconds = int(timeout)
+        bound = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
+        self.timeout = timeout
 
     def close(self) -> None:
         if self.sock is not None:
@@ -363,7 +380,8 @@ class Endpoint:
     def recv_into(self, view: memoryview) -> None:
         assert self.sock is not None
         while view:
-            count = self.sock.recv_into(view)
+            # MSG_WAITALL: one call per piece where the kernel can (fewer wake-ups and calls).
+            count = self.sock.recv_into(view, 0, socket.MSG_WAITALL)
             if not count:
                 raise ConnectionError("connection closed by the server")
             view = view[count:]
