@@ -449,3 +449,33 @@ async def test_caches_registered_before_open_are_prepared_at_open() -> None:
         await engine.open()
     with pytest.raises(EngineStateError):  # closed, its host memory released
         await engine.open()
+
+
+def test_a_loop_thread_bounds_its_calls_and_refuses_its_own_thread() -> None:
+    from tiered_kv.sync import LoopThread
+
+    loop = LoopThread("tkv-test-loop")
+    ended: list[str] = []
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            ended.append("slow")
+
+    async def inner_call() -> object:
+        return loop.run(asyncio.sleep(0, "never"))
+
+    try:
+        assert loop.run(asyncio.sleep(0, "done")) == "done"
+        with pytest.raises(TimeoutError):
+            loop.run(slow(), timeout_s=0.05)
+        assert ended == ["slow"]  # cancelled and finished on the loop before run returned
+        with pytest.raises(EngineStateError, match="loop's own thread"):
+            loop.run(inner_call())
+    finally:
+        loop.close()
+    assert loop.closed
+    with pytest.raises(EngineStateError, match="closed"):
+        loop.run(asyncio.sleep(0))
+    loop.close()  # twice: nothing

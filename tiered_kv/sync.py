@@ -1,13 +1,13 @@
 """`SyncTieredKVEngine`: the blocking facade of `TieredKVEngine`, for callers without a loop.
 
-Owns the engine's event loop (uvloop when installed, `new_event_loop`) and the thread that runs
-it, and `SyncPrefetchHandle`. Each blocking verb is made from the async engine's method of the
-same name (`_blocking`, `_on_loop`), so its signature, types and docstring are written once, on
-`TieredKVEngine`; except the verbs that take or give a handle (`prefetch`, `retrieve`,
-`retrieve_layerwise`, `store_layerwise`), whose blocking handle changes one parameter's or the
-result's type, which a `ParamSpec` cannot express: those are written out, and a test keeps their
-parameters those of the async verbs. Must not hold engine state of its own: every call runs on
-the engine's loop.
+Owns `LoopThread` (an event loop, uvloop when installed, on a thread of its own: the engine's
+here, the tiers' in the SGLang backend) and `SyncPrefetchHandle`. Each blocking verb is made
+from the async engine's method of the same name (`_blocking`, `_on_loop`), so its signature,
+types and docstring are written once, on `TieredKVEngine`; except the verbs that take or give a
+handle (`prefetch`, `retrieve`, `retrieve_layerwise`, `store_layerwise`), whose blocking handle
+changes one parameter's or the result's type, which a `ParamSpec` cannot express: those are
+written out, and a test keeps their parameters those of the async verbs. Must not hold engine
+state of its own: every call runs on the engine's loop.
 
 A facade still open when the interpreter exits (a script that just ends, as vLLM's scripts do)
 is closed by an ``atexit`` hook: pending lower-tier writes are flushed within
@@ -64,6 +64,82 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+# Beyond a call's own timeout, how long `LoopThread.run` waits for the loop to finish cancelling.
+_CANCEL_GRACE_S = 30.0
+
+
+class LoopThread:
+    """An event loop (`new_event_loop`) running on a daemon thread named ``name``, for callers
+    that have no loop. Started by the constructor, stopped by `close` (idempotent). `run`
+    submits a coroutine from any other thread and waits for it; its timeout is enforced on the
+    loop (the coroutine is cancelled there and has finished before `run` returns), so a
+    caller's buffers are never touched after `run` returns. Refuses calls from the loop's own
+    thread (they would deadlock)."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = new_event_loop()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout_s: float | None = None) -> _T:
+        """Run ``coro`` on the loop and return its result; `TimeoutError` after ``timeout_s``
+        (the coroutine is cancelled and finished by then); its own exceptions propagate."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise EngineStateError("LoopThread.run: called from the loop's own thread")
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise EngineStateError("LoopThread.run: the loop is closed")
+            bounded = coro if timeout_s is None else _bounded(coro, timeout_s)
+            future = asyncio.run_coroutine_threadsafe(bounded, self._loop)
+        return future.result(None if timeout_s is None else timeout_s + _CANCEL_GRACE_S)
+
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        """Queue ``fn(*args)`` onto the loop; returns at once."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def close(
+        self, final: Coroutine[Any, Any, object] | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Run ``final`` (e.g. closing what runs on the loop; its exception propagates), then
+        stop the loop and join its thread. Later calls do nothing (``final`` is closed
+        unawaited)."""
+        with self._lock:
+            if self._closed:
+                if final is not None:
+                    final.close()
+                return
+            self._closed = True
+        try:
+            if final is not None:
+                bounded = final if timeout_s is None else _bounded(final, timeout_s)
+                wait = None if timeout_s is None else timeout_s + _CANCEL_GRACE_S
+                asyncio.run_coroutine_threadsafe(bounded, self._loop).result(wait)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(_CANCEL_GRACE_S)
+
+
+async def _bounded(coro: Coroutine[Any, Any, _T], timeout_s: float) -> _T:
+    async with asyncio.timeout(timeout_s):
+        return await coro
+
+
 def _blocking(
     method: Callable[Concatenate[TieredKVEngine, _P], Coroutine[Any, Any, _T]],
 ) -> Callable[Concatenate[SyncTieredKVEngine, _P], _T]:
@@ -102,17 +178,13 @@ class SyncTieredKVEngine:
         mover: KVMover | None = None,
         lower_tiers: Sequence[LowerTier] = (),
     ) -> None:
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="tiered-kv-loop", daemon=True
-        )
-        self._thread.start()
+        self._loop = LoopThread("tiered-kv-loop")
         self._engine = TieredKVEngine(config, mover=mover, lower_tiers=lower_tiers)
         self._closed = False
         try:
             self._call(self._engine.open())
         except BaseException:
-            self._stop_loop()
+            self._loop.close()
             raise
         _open_facades.add(self)
 
@@ -128,7 +200,7 @@ class SyncTieredKVEngine:
         if self._closed:
             coro.close()
             raise EngineStateError("SyncTieredKVEngine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._loop.run(coro)
 
     def _run_on_loop(self, fn: Callable[[], _T]) -> _T:
         async def run() -> _T:
@@ -231,16 +303,8 @@ class SyncTieredKVEngine:
         if self._closed:
             return
         _open_facades.discard(self)
-        try:
-            self._call(self._engine.aclose())
-        finally:
-            self._closed = True
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._closed = True
+        self._loop.close(self._engine.aclose())
 
     def __enter__(self) -> SyncTieredKVEngine:
         return self

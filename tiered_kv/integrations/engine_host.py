@@ -239,9 +239,7 @@ class EngineHost(SyncTieredKVEngine):
                 f"got {new_tokens}, {prefix_tokens}, {seconds}"
             )
         if not self._closed:
-            self._loop.call_soon_threadsafe(
-                self._engine.observe_prefill, new_tokens, prefix_tokens, seconds
-            )
+            self._loop.call_soon(self._engine.observe_prefill, new_tokens, prefix_tokens, seconds)
         self.counters.prefills_observed += 1
 
     def watch_tiers(self, capacity: int = 8192, remembered_chunks: int = 8192) -> None:

@@ -35,7 +35,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from tiered_kv.errors import ConfigError, LayoutError, TieredKVError
-from tiered_kv.integrations.sglang.loop import LoopThread
 from tiered_kv.integrations.sglang.page_keys import PageKeys, StorageShard
 from tiered_kv.integrations.sglang.pages import (
     HostPool,
@@ -46,6 +45,7 @@ from tiered_kv.integrations.sglang.pages import (
 )
 from tiered_kv.integrations.sglang.settings import BackendSettings
 from tiered_kv.keys import ChunkKey
+from tiered_kv.sync import LoopThread
 from tiered_kv.tiers.base import LowerTier, TierStats
 from tiered_kv.tiers.factory import lower_tiers
 
