@@ -290,7 +290,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             starts = host_indices[::page_size].tolist() if keys else []
             pages = []
             for key, start in zip(keys, starts, strict=True):
-                view = opened.geometry.page_view(opened.pool, int(start))
+                view = opened.geometry.page_view(opened.pool, opened.region, int(start))
                 groups = opened.geometry.groups_of_view(view)
                 pages.append(
                     (opened.keys.key(key), PageObj(opened.geometry, groups, opened.region))

@@ -108,16 +108,17 @@ class PageGeometry:
         spec = GroupSpec(DTYPE_NAMES[dtype], tuple(group_shape))
         return cls(layout, page_size, spec.dtype, shape, split, (spec,) * count, zero_copy)
 
-    def page_view(self, pool: HostPool, index: int) -> torch.Tensor:
+    def page_view(self, pool: HostPool, region: PoolRegion, index: int) -> torch.Tensor:
         """The pool's view of the page starting at token ``index``, checked against this
-        geometry (a pool that changed its page shape is refused, not misread)."""
+        geometry (a pool that changed its page shape is refused, not misread) and against the
+        pool's buffer ``region`` (`pool_region`)."""
         view = pool.get_data_page(index, flat=False)
         if tuple(view.shape) != self.page_shape:
             raise LayoutError(
                 f"SGLang host pool: page at {index} has shape {tuple(view.shape)}, expected "
                 f"{self.page_shape}"
             )
-        check_page_view(pool, view, index)
+        check_page_view(pool, view, index, region)
         return view
 
     def groups_of_view(self, view: torch.Tensor) -> list[torch.Tensor]:
@@ -139,13 +140,16 @@ class PageGeometry:
         return [raw[i * size : (i + 1) * size] for i in range(len(self.specs))]
 
 
-def check_page_view(pool: HostPool, view: torch.Tensor, index: int) -> None:
-    """Refuse a page view that is not a CPU view into the pool's own buffer."""
+def check_page_view(
+    pool: HostPool, view: torch.Tensor, index: int, region: PoolRegion | None = None
+) -> None:
+    """Refuse a page view that is not a CPU view into the pool's own buffer (``region``:
+    `pool_region` of ``pool``, read here when not given)."""
     if not isinstance(view, torch.Tensor) or view.device.type != "cpu":
         raise LayoutError(
             f"SGLang host pool {type(pool).__name__}: page {index} is not a CPU tensor view"
         )
-    region = pool_region(pool)
+    region = pool_region(pool) if region is None else region
     start = view.data_ptr()
     span = (
         sum((size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True)) + 1
